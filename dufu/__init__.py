@@ -1,0 +1,3 @@
+"""dufu: write a transformer once for one device; train it in any parallel layout by config."""
+
+__version__ = "0.1.0"
