@@ -1,0 +1,39 @@
+"""dufu's config system: plain-Python configs in the style of detectron2's LazyConfig.
+
+A config is a tree of `ConfigDict` nodes. A node made with
+``LazyCall(Cls)(a=1)`` records a call; `instantiate` makes it. Recipes derive
+from shared configs with relative imports and a few edits::
+
+    # dufu/configs/gpt2_small.py
+    from .common.train import train
+    from .common.models.gpt import model
+
+    model.num_layers = 12
+    train.train_iter = 10_000
+
+`LazyConfig` loads ``.py``/``.yaml`` files, saves YAML that reproduces a run,
+applies command-line overrides (unknown keys and wrong types are errors) and
+prints a config back as Python.
+"""
+
+from .instantiate import callable_path, instantiate, locate
+from .lazy import LazyCall
+from .lazy_config import LazyConfig
+from .node import ConfigDict, ConfigKeyError, flatten
+from .overrides import parse_value
+from .packaged import get_config, list_recipes, resolve_config_path
+
+__all__ = [
+    "ConfigDict",
+    "ConfigKeyError",
+    "LazyCall",
+    "LazyConfig",
+    "callable_path",
+    "flatten",
+    "get_config",
+    "instantiate",
+    "list_recipes",
+    "locate",
+    "parse_value",
+    "resolve_config_path",
+]

@@ -1,0 +1,3 @@
+from dufu.parallel.parallelize import apply_activation_checkpointing, apply_compile, parallelize, transformer_blocks
+
+__all__ = ["apply_activation_checkpointing", "apply_compile", "parallelize", "transformer_blocks"]

@@ -1,0 +1,5 @@
+import sys
+
+from dufu.cli import main
+
+sys.exit(main())

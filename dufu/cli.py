@@ -1,0 +1,116 @@
+"""`dufu` command line: train, configs, preprocess. Argument parsing and error presentation only."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+
+from dufu.errors import DufuError
+
+USAGE = """dufu <command> [...]
+
+commands:
+  train [CONFIG] [--resume] [--show-config] [key=value ...]
+                      train; CONFIG is a .py/.yaml file or a packaged recipe name (default: "default")
+  configs             list the packaged recipes
+  preprocess ...      tokenize text/jsonl into a memory-mapped token file (dufu preprocess -h)
+"""
+
+
+def _print_error(err: BaseException) -> None:
+    msg = " ".join(str(err).split())
+    print("\n".join(textwrap.wrap(f"error: {msg}", width=100, break_long_words=False, break_on_hyphens=False)),
+          file=sys.stderr)
+
+
+def load_train_config(config: str | None, overrides: list[str]):
+    from dufu.config import LazyConfig, resolve_config_path
+
+    path = resolve_config_path(config or "default")
+    cfg = LazyConfig.load(str(path))
+    return LazyConfig.apply_overrides(cfg, overrides)
+
+
+def cmd_train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dufu train", description="Train a model from a config.")
+    parser.add_argument("config", nargs="?", default=None,
+                        help="a .py or .yaml config, or a packaged recipe name (see `dufu configs`); default: default")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
+    parser.add_argument("--show-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.train_iter=100 optim.lr=1e-3")
+    args, extra = parser.parse_known_args(argv)
+    overrides = list(args.overrides) + extra
+    # `dufu train train.train_iter=10` (no config): the first positional is an override, not a config.
+    config = args.config
+    if config is not None and "=" in config and not os.path.exists(config):
+        overrides.insert(0, config)
+        config = None
+    unknown_flags = [o for o in overrides if o.startswith("-")]
+    if unknown_flags:
+        raise DufuError(f"unknown option(s) {' '.join(unknown_flags)} for `dufu train`; see `dufu train --help`.")
+    cfg = load_train_config(config, overrides)
+    if args.show_config:
+        from dufu.config import LazyConfig
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as d:
+            LazyConfig.save(cfg, os.path.join(d, "config.yaml"))
+            print(open(os.path.join(d, "config.yaml")).read())
+        return 0
+    from dufu.engine.trainer import Trainer
+
+    Trainer(cfg, resume=args.resume).train()
+    return 0
+
+
+def cmd_configs(argv: list[str]) -> int:
+    from dufu.config import list_recipes, resolve_config_path
+
+    for name in list_recipes():
+        first = ""
+        for line in resolve_config_path(name).read_text().splitlines():
+            if line.startswith("#"):
+                first = line.lstrip("# ").strip()
+                break
+        print(f"  {name:<16} {first}")
+    return 0
+
+
+def cmd_preprocess(argv: list[str]) -> int:
+    from dufu.data.preprocess import main as preprocess_main
+
+    return preprocess_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "configs": cmd_configs, "preprocess": cmd_preprocess}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0 if argv else 2
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(command, COMMANDS, n=1)
+        _print_error(DufuError(
+            f"unknown command '{command}'{f'; did you mean {close[0]!r}?' if close else '.'} "
+            f"Commands: {', '.join(COMMANDS)}."
+        ))
+        return 2
+    try:
+        return COMMANDS[command](rest) or 0
+    except DufuError as err:
+        _print_error(err)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

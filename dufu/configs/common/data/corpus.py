@@ -1,0 +1,14 @@
+# Language-model data: a tokenizer and fixed-length token samples from a corpus.
+# data_path is "builtin" (CPython's pydoc topics, ~465 KB of English), a .txt/.jsonl file or directory,
+# or the prefix of a file made by `dufu preprocess`.
+from dufu.config import LazyCall as L
+from dufu.data import build_lm_datasets, build_tokenizer
+
+tokenization = dict(
+    tokenizer=L(build_tokenizer)(kind="bpe", vocab_size=2048, corpus="builtin"),
+)
+
+dataloader = dict(
+    # tokenizer is filled in by the trainer from `tokenization.tokenizer`
+    train=L(build_lm_datasets)(data_path="builtin", seq_length=128, valid_fraction=0.05),
+)

@@ -1,0 +1,20 @@
+# GPT-2 architecture. Sizes here are GPT-2 small (124M); recipes edit them.
+from dufu.config import LazyCall as L
+from dufu.models.gpt import GPTModel
+
+model = L(GPTModel)(
+    vocab_size=50304,
+    hidden_size=768,
+    num_layers=12,
+    num_attention_heads=12,
+    ffn_hidden_size=None,  # 4 x hidden_size
+    max_position_embeddings=1024,
+    embedding_dropout=0.1,
+    hidden_dropout=0.1,
+    attention_dropout=0.1,
+    layernorm_epsilon=1e-5,
+    activation="gelu_tanh",
+    bias=True,
+    tie_word_embeddings=True,
+    initializer_range=0.02,
+)

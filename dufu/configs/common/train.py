@@ -1,0 +1,46 @@
+# The `train` namespace: every run-level setting, with LiBai's names and defaults.
+from dufu.config import LazyCall as L
+from dufu.engine.lr_scheduler import WarmupCosineLR
+
+train = dict(
+    output_dir="output/run",
+    train_iter=1000,
+    # Batch arithmetic (Megatron/LiBai): global = micro x data_parallel_size x num_accumulation_steps.
+    # Set any two; the third is derived (None).
+    train_micro_batch_size=8,
+    global_batch_size=None,
+    num_accumulation_steps=None,
+    seed=1234,
+    log_period=10,
+    clip_grad_norm=1.0,
+    # max_iter and optimizer are filled in by the trainer.
+    scheduler=L(WarmupCosineLR)(warmup_iter=100, warmup_factor=0.0, min_lr_ratio=0.1),
+    amp=dict(enabled=False, dtype="bf16"),  # "bf16" | "fp16" (fp16 uses dynamic loss scaling)
+    activation_checkpoint=dict(enabled=False),
+    compile=dict(enabled=False),
+    checkpointer=dict(period=1000, max_to_keep=3),
+    evaluation=dict(enabled=True, eval_period=500, eval_iter=20, eval_batch_size=None),
+    generation=dict(
+        enabled=False,
+        prompts=["The "],
+        max_new_tokens=64,
+        temperature=0.8,
+        top_k=40,
+        top_p=None,
+    ),
+    dist=dict(
+        data_parallel_size=1,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+        sequence_parallel=False,
+        pipeline_num_layers=None,
+        custom_pipeline_stage_id=None,
+        pipeline_schedule="1f1b",
+        virtual_pipeline_size=1,
+    ),
+    zero_optimization=dict(enabled=False, stage=1),
+    # Peak FLOP/s of one device for MFU, in TFLOP/s; None = data sheet (known GPUs) or a measured matmul (CPU).
+    peak_tflops=None,
+    tensorboard=True,
+    device="auto",
+)

@@ -1,0 +1,186 @@
+"""Text inputs: the built-in corpus, ``.txt`` files, ``.jsonl`` files and directories of them.
+
+An *input* is one of
+
+* ``"builtin"`` -- the built-in corpus: the topic texts of CPython's ``pydoc_data``
+  (79 documents, about 465 KB of English), always present, so examples and tests
+  never need a download;
+* a ``.txt`` file -- the whole file is one document;
+* a ``.jsonl`` file -- one JSON object per line, the document is the field
+  ``json_key`` (default ``"text"``); blank lines are skipped;
+* a directory -- every ``.txt`` / ``.jsonl`` file below it (recursively, hidden
+  files skipped), in sorted path order;
+* a list of any of these, read in order.
+
+Documents always come out in the same order for the same input, which the
+tokenizer training and the train/validation split rely on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Iterator, Sequence, Union
+
+from dufu.errors import DataError
+
+from ._cache import hash_stream, short_hash
+
+BUILTIN = "builtin"
+SUFFIXES = (".txt", ".jsonl")
+
+Input = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
+
+_ACCEPTED = (
+    f'"{BUILTIN}" (the built-in corpus), a .txt file (one document per file), a .jsonl file '
+    "(one JSON object per line), a directory containing such files, or a list of these"
+)
+
+
+def builtin_documents() -> list[str]:
+    """The built-in corpus: one document per ``pydoc_data`` topic, in sorted key order."""
+    from pydoc_data.topics import topics
+
+    return [topics[key] for key in sorted(topics)]
+
+
+def resolve_sources(path: Input) -> list[Union[str, Path]]:
+    """Expand an input into its list of sources: ``BUILTIN`` and/or ``.txt`` / ``.jsonl`` file paths.
+
+    Raises :class:`DataError` at once for a missing path, an unsupported file
+    type or a directory without any ``.txt`` / ``.jsonl`` file.
+    """
+    if isinstance(path, (str, os.PathLike)):
+        items = [path]
+    else:
+        items = list(path)
+        if not items:
+            raise DataError(f"The list of data inputs is empty. Give at least one input: {_ACCEPTED}.")
+    sources: list[Union[str, Path]] = []
+    for item in items:
+        if not isinstance(item, (str, os.PathLike)):
+            raise DataError(
+                f"Data input {item!r} is a {type(item).__name__}, not a path. Accepted inputs: {_ACCEPTED}."
+            )
+        if isinstance(item, str) and item == BUILTIN:
+            sources.append(BUILTIN)
+            continue
+        p = Path(item).expanduser()
+        if p.is_dir():
+            files = sorted(
+                f
+                for f in p.rglob("*")
+                if f.is_file()
+                and f.suffix in SUFFIXES
+                and not any(part.startswith(".") for part in f.relative_to(p).parts)
+            )
+            if not files:
+                raise DataError(
+                    f"Data directory {p} contains no .txt or .jsonl files. Put the documents in "
+                    f".txt files (one document per file) or .jsonl files (one JSON object per line), "
+                    f"or pass another input: {_ACCEPTED}."
+                )
+            sources.extend(files)
+        elif p.is_file():
+            if p.suffix not in SUFFIXES:
+                raise DataError(
+                    f"Data file {p} has the unsupported type {p.suffix or '(no extension)'!r}. "
+                    f"Accepted inputs: {_ACCEPTED}. Rename or convert the file."
+                )
+            sources.append(p)
+        else:
+            raise DataError(f"Data input {p} does not exist. Check the path; accepted inputs: {_ACCEPTED}.")
+    return sources
+
+
+def read_documents(path: Input, json_key: str = "text") -> Iterator[str]:
+    """Iterate over the documents of an input (see the module docstring for the kinds of input).
+
+    The input is checked when this is called; reading (and errors inside files,
+    such as a bad JSON line, reported with its line number) happens lazily.
+    """
+    sources = resolve_sources(path)
+    return _iter_sources(sources, json_key)
+
+
+def _iter_sources(sources: list[Union[str, Path]], json_key: str) -> Iterator[str]:
+    for source in sources:
+        if source == BUILTIN:
+            yield from builtin_documents()
+        elif source.suffix == ".txt":
+            yield _read_text(source)
+        else:
+            yield from _read_jsonl(source, json_key)
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise DataError(
+            f"Data file {path} is not valid UTF-8 (byte {e.start}: {e.reason}). "
+            "Re-encode it as UTF-8, e.g. with `iconv -t utf-8`."
+        ) from None
+    except OSError as e:
+        raise DataError(f"Cannot read data file {path}: {e.strerror}. Check that it exists and is readable.") from None
+
+
+def _read_jsonl(path: Path, json_key: str) -> Iterator[str]:
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"Cannot read data file {path}: {e.strerror}. Check that it exists and is readable.") from None
+    with f:
+        lineno = 0
+        try:
+            for lineno, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DataError(
+                        f"Line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}). "
+                        f'Each line of a .jsonl file must be one JSON object such as {{"{json_key}": "..."}}; '
+                        "fix or remove that line."
+                    ) from None
+                if not isinstance(record, dict) or json_key not in record:
+                    found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
+                    raise DataError(
+                        f"Line {lineno} of {path} has no field {json_key!r} (found: {found}). "
+                        f"Set json_key (--json-key) to the field that holds the text, or fix the line."
+                    )
+                text = record[json_key]
+                if not isinstance(text, str):
+                    raise DataError(
+                        f"Line {lineno} of {path}: field {json_key!r} is a {type(text).__name__}, not a string. "
+                        "The text field must hold the document text."
+                    )
+                yield text
+        except UnicodeDecodeError as e:
+            raise DataError(
+                f"Data file {path} is not valid UTF-8 (after line {lineno}: {e.reason}). "
+                "Re-encode it as UTF-8, e.g. with `iconv -t utf-8`."
+            ) from None
+
+
+def input_fingerprint(path: Input, json_key: str = "text") -> str:
+    """A cheap fingerprint of an input: path, size and modification time of every file.
+
+    For the built-in corpus it is a hash of its content (it changes with the
+    Python version). Used to key cached preprocessed datasets.
+    """
+    parts: list[str] = [f"json_key={json_key}"]
+    for source in resolve_sources(path):
+        if source == BUILTIN:
+            parts.append("builtin:" + content_fingerprint(BUILTIN))
+        else:
+            st = source.stat()
+            parts.append(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+    return short_hash(*parts)
+
+
+def content_fingerprint(path: Input, json_key: str = "text") -> str:
+    """A hash of the documents themselves (reads the whole input)."""
+    return hash_stream(read_documents(path, json_key=json_key))

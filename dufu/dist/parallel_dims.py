@@ -1,0 +1,106 @@
+"""All distributed state in one explicit object.
+
+``ParallelDims`` turns the degrees from ``train.dist`` into a validated,
+named ``DeviceMesh``. Rank order follows LiBai: pipeline is the outermost
+axis, then data, then tensor (innermost, so tensor-parallel peers are
+neighbouring ranks, on one node when possible). With 8 ranks and
+dp=2, tp=2, pp=2::
+
+    pipeline stage 0: ranks 0 1 2 3     tensor groups [0,1] [2,3]
+    pipeline stage 1: ranks 4 5 6 7     data groups   [0,2] [1,3]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from dufu.errors import LayoutError
+
+
+@dataclass
+class ParallelDims:
+    data_parallel_size: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    world_size: int = 1
+
+    def __post_init__(self):
+        self._resolve()
+
+    @classmethod
+    def from_config(cls, dist_cfg, world_size: int) -> "ParallelDims":
+        return cls(
+            data_parallel_size=dist_cfg.get("data_parallel_size", 1),
+            tensor_parallel_size=dist_cfg.get("tensor_parallel_size", 1),
+            pipeline_parallel_size=dist_cfg.get("pipeline_parallel_size", 1),
+            world_size=world_size,
+        )
+
+    def _resolve(self) -> None:
+        names = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
+        sizes = {n: getattr(self, n) for n in names}
+        for n, v in sizes.items():
+            if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
+                raise LayoutError(
+                    f"train.dist.{n} = {v!r} is not valid: use a positive integer, or -1 to infer it from the world size."
+                )
+        inferred = [n for n, v in sizes.items() if v == -1]
+        if len(inferred) > 1:
+            raise LayoutError(
+                f"train.dist: only one size may be -1 (inferred), but {', '.join(inferred)} all are. "
+                "Set all but one of them explicitly."
+            )
+        known = 1
+        for n, v in sizes.items():
+            if v != -1:
+                known *= v
+        if inferred:
+            if self.world_size % known != 0:
+                raise LayoutError(
+                    f"cannot infer train.dist.{inferred[0]}: the world size {self.world_size} is not divisible by "
+                    f"the product of the other sizes ({self._arith(sizes, skip=inferred[0])} = {known}). "
+                    "Change the other sizes or the number of processes."
+                )
+            setattr(self, inferred[0], self.world_size // known)
+            sizes[inferred[0]] = self.world_size // known
+        product = self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+        if product != self.world_size:
+            raise LayoutError(
+                f"the parallel sizes do not multiply to the world size: {self._arith(sizes)} = {product}, "
+                f"but WORLD_SIZE is {self.world_size}. Launch {product} processes (dufu train ... --nproc {product}), "
+                "or change train.dist.* (a size of -1 is inferred from the world size)."
+            )
+
+    @staticmethod
+    def _arith(sizes: dict, skip: Optional[str] = None) -> str:
+        short = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
+        return " x ".join(f"{short[n]} {v}" for n, v in sizes.items() if n != skip)
+
+    @property
+    def dp_enabled(self) -> bool:
+        return self.data_parallel_size > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tensor_parallel_size > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pipeline_parallel_size > 1
+
+    def describe(self) -> str:
+        return (
+            f"dp {self.data_parallel_size} x tp {self.tensor_parallel_size} x pp {self.pipeline_parallel_size}"
+            f" = {self.world_size} process{'es' if self.world_size > 1 else ''}"
+        )
+
+    def build_mesh(self, device_type: str):
+        """The 3-D mesh with axes ("pipeline", "data", "tensor"), LiBai's rank order."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(
+            device_type,
+            (self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size),
+            mesh_dim_names=("pipeline", "data", "tensor"),
+        )

@@ -1,0 +1,180 @@
+"""Checkpoints: sharded with ``torch.distributed.checkpoint`` (DCP), committed atomically.
+
+Layout of one checkpoint::
+
+    <output_dir>/checkpoints/step_0000100/
+        .metadata, __*_*.distcp   model + optimizer, every rank writes only its own shards (DCP)
+        rank_00000.pt ...         per-rank trainer state: step, LR scheduler, data sampler, RNG states
+        manifest.json             written last: file names, sizes and SHA-256 checksums
+
+A checkpoint is written under ``.step_0000100.partial`` and renamed to its final
+name only after every rank has finished and the manifest is on disk, so a
+checkpoint directory is either complete or absent. Loading verifies the
+manifest and never unpickles arbitrary objects (``weights_only=True``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from dufu.errors import CheckpointError
+
+_STEP_DIR = re.compile(r"^step_(\d+)$")
+MANIFEST = "manifest.json"
+
+
+def _barrier():
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+class Checkpointer:
+    def __init__(self, root: str | Path, max_to_keep: Optional[int] = None, rank: int = 0):
+        self.root = Path(root)
+        self.max_to_keep = max_to_keep
+        self.rank = rank
+
+    # ---------------------------------------------------------------- listing
+    def complete_checkpoints(self) -> list[tuple[int, Path]]:
+        if not self.root.is_dir():
+            return []
+        found = []
+        for p in self.root.iterdir():
+            m = _STEP_DIR.match(p.name)
+            if m and (p / MANIFEST).is_file():
+                found.append((int(m.group(1)), p))
+        return sorted(found)
+
+    def latest(self) -> Optional[Path]:
+        ckpts = self.complete_checkpoints()
+        return ckpts[-1][1] if ckpts else None
+
+    # ------------------------------------------------------------------- save
+    def save(self, step: int, model, optimizer, trainer_state: dict, extra_meta: Optional[dict] = None) -> Path:
+        final = self.root / f"step_{step:07d}"
+        tmp = self.root / f".step_{step:07d}.partial"
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        _barrier()
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+        torch.save(trainer_state, tmp / f"rank_{self.rank:05d}.pt")
+        _barrier()
+        if self.rank == 0:
+            files = sorted(p for p in tmp.iterdir() if p.is_file())
+            manifest = {
+                "step": step,
+                "world_size": dist.get_world_size() if dist.is_initialized() else 1,
+                **(extra_meta or {}),
+                "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
+            }
+            with open(tmp / MANIFEST, "w") as f:
+                json.dump(manifest, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync_dir(tmp)
+            if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+            _fsync_dir(self.root)
+            self._prune()
+        _barrier()
+        return final
+
+    def _prune(self) -> None:
+        if not self.max_to_keep or self.max_to_keep < 1:
+            return
+        ckpts = self.complete_checkpoints()
+        for _, path in ckpts[: -self.max_to_keep]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    # ------------------------------------------------------------------- load
+    def verify(self, path: Path) -> dict:
+        path = Path(path)
+        if not path.is_dir():
+            raise CheckpointError(f"checkpoint {path} does not exist. Check the path, or omit it to use the latest one.")
+        manifest_path = path / MANIFEST
+        if not manifest_path.is_file():
+            raise CheckpointError(
+                f"checkpoint {path} is incomplete: it has no {MANIFEST} (the save did not finish). "
+                "Resume from an earlier checkpoint, or delete this directory."
+            )
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except ValueError as e:
+            raise CheckpointError(f"checkpoint manifest {manifest_path} is corrupt ({e}). Use an earlier checkpoint.") from None
+        for name, info in manifest["files"].items():
+            f = path / name
+            if not f.is_file():
+                raise CheckpointError(f"checkpoint file {f} is missing (listed in {MANIFEST}). Use an earlier checkpoint.")
+            size = f.stat().st_size
+            if size != info["bytes"]:
+                raise CheckpointError(
+                    f"checkpoint file {f} is truncated or changed: {size} bytes, the manifest says {info['bytes']}. "
+                    "Use an earlier checkpoint."
+                )
+            if _sha256(f) != info["sha256"]:
+                raise CheckpointError(
+                    f"checkpoint file {f} is corrupt: its SHA-256 checksum does not match the manifest. "
+                    "Use an earlier checkpoint."
+                )
+        return manifest
+
+    def load(self, path: Path, model, optimizer) -> dict:
+        """Load model and optimizer in place (resharding to the current layout); return this rank's trainer state."""
+        path = Path(path)
+        self.verify(path)
+        model_sd, optim_sd = get_state_dict(model, optimizer)
+        state = {"model": model_sd, "optim": optim_sd}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            try:
+                dcp.load(state, checkpoint_id=str(path))
+            except Exception as e:  # DCP raises CheckpointException with per-rank details
+                raise CheckpointError(
+                    f"could not load checkpoint {path}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}. "
+                    "The checkpoint may belong to a different model; check model.* in the config."
+                ) from e
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        rank_file = path / f"rank_{self.rank:05d}.pt"
+        if not rank_file.is_file():
+            rank_file = path / "rank_00000.pt"
+        try:
+            return torch.load(rank_file, weights_only=True, map_location="cpu")
+        except Exception as e:
+            raise CheckpointError(f"checkpoint file {rank_file} cannot be read: {e}") from None

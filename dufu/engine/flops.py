@@ -1,0 +1,143 @@
+"""Model FLOPs and device peak, for MFU (model FLOPs utilisation).
+
+Training FLOPs per token follow the PaLM paper (Chowdhery et al. 2022, app. B):
+
+    flops_per_token = 6 * N + 12 * L * H * T
+
+* ``N``: parameters that take part in a matrix multiply (every weight except the
+  token/position lookup tables; a tied output head counts once, as a matmul).
+  6 = 2 (multiply-add) x 3 (forward + backward, which costs twice the forward).
+* ``12 * L * H * T``: attention scores and the weighted sum of values for L
+  layers, hidden size H and sequence length T (forward + backward, causal
+  masking not discounted, as in PaLM).
+
+Activation recomputation is *not* counted (that would be hardware FLOPs, not
+model FLOPs). MFU = flops_per_token * tokens_per_second / (peak * devices).
+
+Peak FLOP/s, per device and dtype:
+
+* CUDA: the dense tensor-core peak from the vendor data sheet for known GPUs
+  (table below); unknown GPUs are measured like the CPU.
+* CPU: there is no data sheet number for "this many threads of this CPU", so
+  the peak is *measured* once: the best throughput of a large square matmul
+  in the training dtype (fp32, or bf16/fp16 under autocast), cached in the
+  dufu cache directory per CPU model, thread count, dtype and torch version.
+  On the 2-thread Sapphire Rapids machines dufu is developed on this gives
+  about 350 GFLOP/s (fp32) and 2,000 GFLOP/s (bf16, AMX).
+* ``train.peak_tflops`` in the config (or ``DUFU_PEAK_TFLOPS``) overrides both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+# Dense (no sparsity) peak TFLOP/s from vendor data sheets: (bf16/fp16, fp32 non-tensor-core).
+_GPU_PEAK_TFLOPS = {
+    "H200": (989.0, 67.0),
+    "H100": (989.0, 67.0),  # SXM; PCIe is lower (756), matched below
+    "H100 PCIE": (756.0, 51.0),
+    "A100": (312.0, 19.5),
+    "A800": (312.0, 19.5),
+    "L40S": (362.0, 91.6),
+    "A10G": (70.0, 31.2),
+    "RTX 4090": (165.0, 82.6),
+    "V100": (125.0, 15.7),
+    "T4": (65.0, 8.1),
+}
+
+
+def count_matmul_params(model: nn.Module) -> int:
+    """Parameters used in matrix multiplies: all but embedding tables (tied weights counted once)."""
+    seen: set[int] = set()
+    total = 0
+    embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
+    heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    for p in model.parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if id(p) in embedding_params and id(p) not in heads:
+            continue
+        total += p.numel()
+    return total
+
+
+def flops_per_token(num_matmul_params: int, num_layers: int, hidden_size: int, seq_length: int) -> float:
+    return 6.0 * num_matmul_params + 12.0 * num_layers * hidden_size * seq_length
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("DUFU_CACHE_DIR", Path.home() / ".cache" / "dufu"))
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def measure_matmul_flops(dtype: torch.dtype, device: torch.device, size: int = 2048, seconds: float = 0.6) -> float:
+    """Best observed FLOP/s of a (size x size) @ (size x size) matmul."""
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    flop = 2.0 * size**3
+    best = 0.0
+    torch.matmul(a, b)  # warm-up (kernel selection, oneDNN/AMX init)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        torch.matmul(a, b)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = max(best, flop / (time.perf_counter() - t0))
+    return best
+
+
+def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None) -> tuple[float, str]:
+    """(peak FLOP/s of one device in ``dtype``, a sentence saying where the number comes from)."""
+    if override_tflops is None and os.environ.get("DUFU_PEAK_TFLOPS"):
+        override_tflops = float(os.environ["DUFU_PEAK_TFLOPS"])
+    if override_tflops is not None:
+        return override_tflops * 1e12, f"{override_tflops:g} TFLOP/s given in the config"
+    low_precision = dtype in (torch.bfloat16, torch.float16)
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device).upper()
+        for key in sorted(_GPU_PEAK_TFLOPS, key=len, reverse=True):
+            if key in name:
+                tf = _GPU_PEAK_TFLOPS[key][0 if low_precision else 1]
+                return tf * 1e12, f"{tf:g} TFLOP/s, data-sheet peak of {name} ({'bf16' if low_precision else 'fp32'})"
+    cpu = _cpu_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
+    key = f"{device.type}|{cpu}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
+    cache = _cache_dir() / "peak_flops.json"
+    table = {}
+    try:
+        table = json.loads(cache.read_text())
+    except (OSError, ValueError):
+        table = {}
+    if key not in table:
+        table[key] = measure_matmul_flops(dtype, device)
+        try:
+            cache.parent.mkdir(parents=True, exist_ok=True)
+            tmp = cache.with_suffix(f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(table, indent=1))
+            os.replace(tmp, cache)
+        except OSError:
+            pass
+    peak = table[key]
+    return peak, (
+        f"{peak / 1e9:,.0f} GFLOP/s, measured best {str(dtype).replace('torch.', '')} matmul on {cpu} "
+        f"with {torch.get_num_threads()} threads"
+    )

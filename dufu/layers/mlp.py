@@ -1,0 +1,38 @@
+"""Feed-forward block: column-parallel up projection, row-parallel down projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dufu.layers.linear import Linear
+
+_ACTIVATIONS = {
+    "gelu": F.gelu,
+    # GPT-2's "gelu_new": the tanh approximation of GELU (Hendrycks & Gimpel 2016).
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+class MLP(nn.Module):
+    def __init__(
+        self,
+        hidden_size: int,
+        ffn_hidden_size: int,
+        activation: str = "gelu_tanh",
+        bias: bool = True,
+        dropout: float = 0.0,
+    ):
+        super().__init__()
+        if activation not in _ACTIVATIONS:
+            raise ValueError(f"MLP(activation={activation!r}): expected one of {sorted(_ACTIVATIONS)}")
+        self.activation = activation
+        self.fc1 = Linear(hidden_size, ffn_hidden_size, bias=bias, parallel="col")
+        self.fc2 = Linear(ffn_hidden_size, hidden_size, bias=bias, parallel="row")
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.dropout(self.fc2(_ACTIVATIONS[self.activation](self.fc1(x))))

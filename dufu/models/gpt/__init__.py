@@ -1,0 +1,3 @@
+from dufu.models.gpt.model import GPTModel, causal_lm_loss
+
+__all__ = ["GPTModel", "causal_lm_loss"]

@@ -1,0 +1,140 @@
+"""GPT-2 architecture (Radford et al. 2019), single-device code built from dufu.layers.
+
+Blocks live in a ``ModuleDict`` keyed by ``str(i)`` so that parameter names
+(``blocks.3.attn.q_proj.weight``) stay the same when pipeline parallelism keeps
+only some of the blocks on a stage. A stage that does not own the embeddings
+or the head has those attributes set to ``None``; ``forward`` then takes and
+returns hidden states.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dufu.layers import LayerNorm, Linear, PositionEmbedding, TransformerLayer, VocabEmbedding
+from dufu.models.outputs import ModelOutput
+
+
+class GPTModel(nn.Module):
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int = 768,
+        num_layers: int = 12,
+        num_attention_heads: int = 12,
+        ffn_hidden_size: Optional[int] = None,
+        max_position_embeddings: int = 1024,
+        embedding_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        layernorm_epsilon: float = 1e-5,
+        activation: str = "gelu_tanh",
+        bias: bool = True,
+        tie_word_embeddings: bool = True,
+        initializer_range: float = 0.02,
+    ):
+        super().__init__()
+        if hidden_size % num_attention_heads != 0:
+            raise ValueError(
+                f"GPTModel: hidden_size {hidden_size} must be divisible by num_attention_heads {num_attention_heads}"
+            )
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.num_attention_heads = num_attention_heads
+        self.max_position_embeddings = max_position_embeddings
+        self.initializer_range = initializer_range
+        self.tie_word_embeddings = tie_word_embeddings
+        ffn_hidden_size = ffn_hidden_size or 4 * hidden_size
+
+        self.wte = VocabEmbedding(vocab_size, hidden_size)
+        self.wpe = PositionEmbedding(max_position_embeddings, hidden_size)
+        self.drop = nn.Dropout(embedding_dropout)
+        self.blocks = nn.ModuleDict(
+            {
+                str(i): TransformerLayer(
+                    hidden_size,
+                    num_attention_heads,
+                    ffn_hidden_size,
+                    layer_idx=i,
+                    dropout=hidden_dropout,
+                    attention_dropout=attention_dropout,
+                    layernorm_epsilon=layernorm_epsilon,
+                    activation=activation,
+                    bias=bias,
+                )
+                for i in range(num_layers)
+            }
+        )
+        self.ln_f = LayerNorm(hidden_size, eps=layernorm_epsilon)
+        self.lm_head = Linear(hidden_size, vocab_size, bias=False, parallel="col")
+        if tie_word_embeddings:
+            self.lm_head.weight = self.wte.weight
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+
+    # ------------------------------------------------------------------ init
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * num_layers)."""
+        std = self.initializer_range
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                s = std / math.sqrt(2 * self.num_layers) if name.endswith(("out_proj", "fc2")) else std
+                if not (self.tie_word_embeddings and module is self.lm_head):
+                    nn.init.normal_(module.weight, mean=0.0, std=s)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.LayerNorm):
+                nn.init.ones_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    # --------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+    ) -> ModelOutput:
+        hidden = self.hidden_states(input_ids, position_ids)
+        logits = self.head(hidden)
+        loss = None
+        if labels is not None:
+            loss = causal_lm_loss(logits, labels)
+        return ModelOutput(loss=loss, logits=logits)
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+        if self.wte is not None:
+            B, T = input_ids.shape
+            if T > self.max_position_embeddings:
+                raise ValueError(
+                    f"sequence length {T} exceeds max_position_embeddings {self.max_position_embeddings}"
+                )
+            if position_ids is None:
+                position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)  # (1, T)
+            h = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, C)
+        else:
+            h = input_ids  # a later pipeline stage receives hidden states (B, T, C)
+        for block in self.blocks.values():
+            h = block(h)
+        return h
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.ln_f is not None:
+            h = self.ln_f(h)
+        if self.lm_head is not None:
+            h = self.lm_head(h)  # (B, T, V)
+        return h
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """Mean token cross entropy, computed in fp32. ``labels`` are already shifted (next-token ids)."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
