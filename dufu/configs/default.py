@@ -1,5 +1,5 @@
 # The default recipe (`dufu train` with no config): a small GPT on the built-in corpus,
-# about two minutes on two CPU cores, ending with a few generated samples.
+# about two and a half minutes on two CPU cores, ending with a few generated samples.
 from .common.data.corpus import dataloader, tokenization
 from .common.models.gpt import model
 from .common.optim import optim
@@ -21,13 +21,13 @@ dataloader.train.seq_length = 128
 optim.lr = 2e-3
 train.update(
     output_dir="output/default",
-    train_iter=300,
+    train_iter=600,
     train_micro_batch_size=16,
     log_period=10,
 )
 train.scheduler.warmup_iter = 30
 train.amp.enabled = True  # bf16 autocast
-train.evaluation.eval_period = 100
+train.evaluation.eval_period = 200
 train.evaluation.eval_iter = 8
-train.checkpointer.period = 100
+train.checkpointer.period = 200
 train.generation.update(enabled=True, prompts=["The ", "A class ", "Python "], max_new_tokens=48)

@@ -65,7 +65,7 @@ class ProgressBar:
             disable=not enabled,
             file=sys.stderr,
             mininterval=0.5 if sys.stderr.isatty() else 10.0,
-            bar_format="{desc} {n_fmt}/{total_fmt} |{bar}| {postfix} [{elapsed}<{remaining}]",
+            bar_format="{desc} {n_fmt}/{total_fmt} |{bar}|{postfix} [{elapsed}<{remaining}]",
         )
 
     def update(self, n: int = 1, **stats) -> None:
