@@ -27,12 +27,32 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from dufu.errors import CheckpointError
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
+
+
+# Optimizer state keyed by parameter name ("state.blocks.0.mlp.fc1.weight.exp_avg"), one entry per
+# parameter: the form that merges across pipeline stages and loads into any other layout.
+_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def _as_list(x):
+    return list(x) if isinstance(x, (list, tuple)) else [x]
+
+
+def _state_dicts(model_parts, optimizers) -> tuple[dict, dict, list[tuple[set, set]]]:
+    """Merged model and optimizer state dicts of all parts, and each part's own key sets."""
+    model_sd, optim_sd, keys = {}, {}, []
+    for part, opt in zip(model_parts, optimizers):
+        msd, osd = get_state_dict(part, opt, options=_OPTIONS)
+        model_sd.update(msd)
+        optim_sd.update(osd)
+        keys.append((set(msd), set(osd)))
+    return model_sd, optim_sd, keys
 
 
 def _barrier():
@@ -82,6 +102,7 @@ class Checkpointer:
 
     # ------------------------------------------------------------------- save
     def save(self, step: int, model, optimizer, trainer_state: dict, extra_meta: Optional[dict] = None) -> Path:
+        """Save ``model`` / ``optimizer`` (one each, or lists of pipeline-stage parts and their optimizers)."""
         final = self.root / f"step_{step:07d}"
         tmp = self.root / f".step_{step:07d}.partial"
         if self.rank == 0:
@@ -89,7 +110,7 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        model_sd, optim_sd, _ = _state_dicts(_as_list(model), _as_list(optimizer))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -159,7 +180,8 @@ class Checkpointer:
         """Load model and optimizer in place (resharding to the current layout); return this rank's trainer state."""
         path = Path(path)
         self.verify(path)
-        model_sd, optim_sd = get_state_dict(model, optimizer)
+        parts, optims = _as_list(model), _as_list(optimizer)
+        model_sd, optim_sd, keys = _state_dicts(parts, optims)
         state = {"model": model_sd, "optim": optim_sd}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
@@ -170,7 +192,13 @@ class Checkpointer:
                     f"could not load checkpoint {path}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}. "
                     "The checkpoint may belong to a different model; check model.* in the config."
                 ) from e
-        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+        for part, opt, (mkeys, okeys) in zip(parts, optims, keys):
+            set_state_dict(
+                part, opt,
+                model_state_dict={k: state["model"][k] for k in mkeys},
+                optim_state_dict={k: state["optim"][k] for k in okeys},
+                options=_OPTIONS,
+            )
         rank_file = path / f"rank_{self.rank:05d}.pt"
         if not rank_file.is_file():
             rank_file = path / "rank_00000.pt"

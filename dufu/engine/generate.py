@@ -39,7 +39,10 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
     done = torch.zeros(ids.size(0), dtype=torch.bool, device=ids.device)
     for _ in range(max_new_tokens):
         context = ids if max_context is None else ids[:, -max_context:]
-        logits = model(context).logits[:, -1, :]  # (B, V)
+        logits = model(context).logits
+        if hasattr(logits, "full_tensor"):  # vocabulary-sharded logits under tensor parallelism
+            logits = logits.full_tensor()
+        logits = logits[:, -1, :]  # (B, V)
         nxt = sample_next(logits, temperature, top_k, top_p, generator)
         if eos_id is not None:
             nxt = torch.where(done, torch.full_like(nxt, eos_id), nxt)

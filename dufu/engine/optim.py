@@ -15,7 +15,9 @@ def get_default_optimizer_params(
 
     ``weight_decay=None`` keeps the optimizer's own ``weight_decay`` for the
     remaining (matrix and embedding) parameters. Shared parameters (tied
-    embeddings) appear once.
+    embeddings) appear once. Each group is further split by tensor kind (plain tensor, or DTensor on a
+    given mesh): fused and foreach optimizer kernels cannot mix the two, and under tensor parallelism a
+    model has both (sharded matrices, replicated norms).
     """
     norm_types = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.BatchNorm1d, nn.BatchNorm2d)
     seen: set[int] = set()
@@ -32,13 +34,14 @@ def get_default_optimizer_params(
             else:
                 decay.append(p)
     groups = []
-    decay_group = {"params": decay}
-    if weight_decay is not None:
-        decay_group["weight_decay"] = weight_decay
-    for group, wd in ((decay_group, None), ({"params": no_decay_norm}, weight_decay_norm), ({"params": no_decay_bias}, weight_decay_bias)):
-        if not group["params"]:
-            continue
-        if wd is not None:
-            group["weight_decay"] = wd
-        groups.append(group)
+    for params, wd in ((decay, weight_decay), (no_decay_norm, weight_decay_norm), (no_decay_bias, weight_decay_bias)):
+        by_kind: dict = {}
+        for p in params:
+            mesh = getattr(p, "device_mesh", None)
+            by_kind.setdefault(id(mesh) if mesh is not None else None, []).append(p)
+        for kind_params in by_kind.values():
+            group = {"params": kind_params}
+            if wd is not None:
+                group["weight_decay"] = wd
+            groups.append(group)
     return groups

@@ -1,28 +1,42 @@
-"""The Trainer: a constructor that only wires parts together, and one readable training loop."""
+"""The Trainer: a constructor that only wires parts together, and one readable training loop.
+
+The same loop runs every layout. What changes with ``train.dist``/``zero_optimization``:
+
+* the model is split into pipeline-stage parts (``self.model_parts``; one part without PP),
+* each part is parallelized (TP -> activation checkpointing -> compile -> FSDP/replicate),
+* a step runs either the micro-batch loop (no PP) or a pipeline schedule over the same micro-batches,
+* the logged loss is reduced to the mean over the global batch in every layout.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
 import math
 import time
 from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from dufu.config import LazyConfig, instantiate
 from dufu.data import ResumableBatchSampler, collate
 from dufu.dist import ParallelDims
+from dufu.dist.launch import init_distributed
 from dufu.engine import env
 from dufu.engine.checkpoint import Checkpointer
 from dufu.engine.flops import count_matmul_params, device_peak_flops, flops_per_token
 from dufu.engine.generate import generate
 from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
 from dufu.engine.validate import resolve_batch_sizes, validate_config
-from dufu.errors import ConfigError, DufuError
+from dufu.errors import ConfigError, DufuError, LayoutError
+from dufu.models.gpt import causal_lm_loss
 from dufu.parallel import parallelize
+from dufu.parallel.checks import validate_layout
+from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients, tied_parameters
+from dufu.parallel.pipeline import build_schedule, build_stage_module, make_stages
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -34,14 +48,30 @@ def to_model_inputs(batch) -> dict:
     return dict(batch)
 
 
+def local_scalar(t: torch.Tensor) -> torch.Tensor:
+    """A detached fp32 plain tensor (losses are replicated DTensors under loss_parallel)."""
+    t = t.detach()
+    if isinstance(t, DTensor):
+        t = t.full_tensor()
+    return t.float()
+
+
+def with_kwargs(node, **kwargs):
+    """A copy of a LazyCall node with some keyword arguments filled in by the trainer (never saved)."""
+    node = copy.deepcopy(node)
+    for k, v in kwargs.items():
+        node[k] = v
+    return node
+
+
 class Trainer:
     def __init__(self, cfg, resume: bool = False, log=print):
-        self.log = log
         validate_config(cfg)
         self.cfg = cfg
         t = cfg.train
         self.rank, self.local_rank, self.world_size = env.world_info()
         self.is_main = self.rank == 0
+        self.log = log if self.is_main else (lambda *a, **k: None)
         self.dims = ParallelDims.from_config(t.dist, self.world_size)
         self.micro_batch_size, self.global_batch_size, self.num_accumulation_steps = resolve_batch_sizes(
             t.train_micro_batch_size, t.global_batch_size, t.num_accumulation_steps, self.dims.data_parallel_size
@@ -50,26 +80,49 @@ class Trainer:
         self.output_dir = Path(t.output_dir)
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", t.checkpointer.max_to_keep, self.rank)
         self.resume_from = self._find_resume_checkpoint(resume)
+        self.amp_dtype = AMP_DTYPES[t.amp.dtype] if t.amp.enabled else None
+        if self.amp_dtype == torch.float16 and self.world_size > 1:
+            raise LayoutError(
+                "fp16 loss scaling is supported on one process only so far (its overflow check is per rank); "
+                "use train.amp.dtype=bf16, which needs no loss scaling, for multi-process runs."
+            )
 
         torch.manual_seed(t.seed)
         self.tokenizer = instantiate(cfg.tokenization.tokenizer)
-        self.train_ds, self.valid_ds = self._build_datasets()
-        self.model = self._build_model()
-        self.optimizer = self._build_optimizer()
-        self.scheduler = instantiate(with_kwargs(t.scheduler, optimizer=self.optimizer, max_iter=t.train_iter))
+        self.train_ds, self.valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=self.tokenizer))
+        self.seq_length = self.train_ds[0].shape[0] - 1
+        model = self._build_model()  # full model, initialised identically on every rank (same seed)
+        stage_ids = validate_layout(self.dims, model, t.dist, t.zero_optimization, self.seq_length,
+                                    self.num_accumulation_steps)
+
+        init_distributed(self.device)
+        self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        coord = self.mesh.get_coordinate() if self.mesh is not None else [0, 0, 0]
+        self.pp_rank, self.dp_rank, self.tp_rank = coord
+        self.flops_per_token = flops_per_token(
+            count_matmul_params(model), getattr(model, "num_layers", 0), getattr(model, "hidden_size", 0),
+            self.seq_length,
+        )
+        self.model_name = type(model).__name__
+        self.num_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        self.model_parts, self.schedule, self.stage_flags = self._build_parts(model, stage_ids)
+        self.model = self.model_parts[0]
+        self.tied_copies, tied = tied_parameters(self.model_parts)
+        self.tied_group = self._tied_group() if stage_ids is not None and getattr(model, "tie_word_embeddings", False) else None
+        self.tied_params = tied
+        del model
+
+        self.optimizers = [self._build_optimizer(part) for part in self.model_parts]
+        self.schedulers = [
+            instantiate(with_kwargs(t.scheduler, optimizer=opt, max_iter=t.train_iter)) for opt in self.optimizers
+        ]
         self.sampler = ResumableBatchSampler(
             len(self.train_ds), self.global_batch_size, self.micro_batch_size,
-            data_parallel_rank=0, data_parallel_size=self.dims.data_parallel_size, seed=t.seed,
+            data_parallel_rank=self.dp_rank, data_parallel_size=self.dims.data_parallel_size, seed=t.seed,
         )
-        self.amp_dtype = AMP_DTYPES[t.amp.dtype] if t.amp.enabled else None
         self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype == torch.float16 else None
         self.step = 0
-        seq_length = self.train_ds[0].shape[0] - 1
-        self.tokens_per_step = self.global_batch_size * seq_length
-        self.flops_per_token = flops_per_token(
-            count_matmul_params(self.model), getattr(self.model, "num_layers", 0),
-            getattr(self.model, "hidden_size", 0), seq_length,
-        )
+        self.tokens_per_step = self.global_batch_size * self.seq_length
         self.peak_flops, self.peak_source = device_peak_flops(
             self.device, self.amp_dtype or torch.float32, t.get("peak_tflops")
         )
@@ -92,11 +145,6 @@ class Trainer:
             )
         return None
 
-    def _build_datasets(self):
-        ds_cfg = with_kwargs(self.cfg.dataloader.train, tokenizer=self.tokenizer)
-        train_ds, valid_ds = instantiate(ds_cfg)
-        return train_ds, valid_ds
-
     def _build_model(self) -> torch.nn.Module:
         model = instantiate(self.cfg.model)
         vocab = getattr(model, "vocab_size", None)
@@ -106,83 +154,193 @@ class Trainer:
                 f"Set model.vocab_size={self.tokenizer.vocab_size} or more (a multiple of 128 is fastest)."
             )
         max_pos = getattr(model, "max_position_embeddings", None)
-        seq = self.train_ds[0].shape[0] - 1
-        if max_pos is not None and seq > max_pos:
+        if max_pos is not None and self.seq_length > max_pos:
             raise ConfigError(
-                f"the data's sequence length {seq} exceeds model.max_position_embeddings {max_pos}; lower "
-                f"dataloader.train.seq_length or raise model.max_position_embeddings."
+                f"the data's sequence length {self.seq_length} exceeds model.max_position_embeddings {max_pos}; "
+                "lower dataloader.train.seq_length or raise model.max_position_embeddings."
             )
-        model.to(self.device)
-        t = self.cfg.train
-        return parallelize(
-            model, self.dims,
-            activation_checkpoint=t.activation_checkpoint.enabled,
-            compile=t.get("compile", {}).get("enabled", False),
-        )
+        return model
 
-    def _build_optimizer(self):
+    def _build_parts(self, model, stage_ids):
+        """Split into this rank's pipeline stages (or keep whole) and parallelize each part."""
+        t = self.cfg.train
+        pp = self.dims.pipeline_parallel_size
+        if stage_ids is None:
+            parts = {0: model}
+            num_stages = 1
+        else:
+            v = t.dist.get("virtual_pipeline_size", 1) or 1
+            num_stages = pp * v
+            parts = {s: build_stage_module(model, s, num_stages, stage_ids) for s in range(self.pp_rank, num_stages, pp)}
+        stage_mesh = self.mesh["data", "tensor"] if self.mesh is not None else None
+        zero = t.zero_optimization
+        for part in parts.values():
+            part.to(self.device)
+            parallelize(
+                part, stage_mesh,
+                tensor_parallel=self.dims.tp_enabled,
+                sequence_parallel=bool(t.dist.get("sequence_parallel")),
+                data_parallel=self.dims.dp_enabled,
+                zero_stage=zero.stage if zero.enabled else None,
+                activation_checkpoint=t.activation_checkpoint.enabled,
+                compile=t.get("compile", {}).get("enabled", False),
+            )
+        flags = {"first": 0 in parts, "last": (num_stages - 1) in parts}
+        schedule = None
+        if stage_ids is not None:
+            stages = make_stages(parts, num_stages, self.device, self.mesh.get_group("pipeline"))
+            schedule = build_schedule(t.dist.get("pipeline_schedule", "1f1b"), stages,
+                                      self.num_accumulation_steps, self._pipeline_loss)
+        return [parts[s] for s in sorted(parts)], schedule, flags
+
+    def _tied_group(self):
+        """Process groups joining first and last pipeline stage at equal (data, tensor) coordinates."""
+        ranks = self.mesh.mesh  # (pp, dp, tp) tensor of global ranks
+        mine = None
+        for d in range(ranks.shape[1]):
+            for tt in range(ranks.shape[2]):
+                members = [int(ranks[0, d, tt]), int(ranks[-1, d, tt])]
+                group = dist.new_group(members)
+                if self.rank in members:
+                    mine = group
+        return mine
+
+    def _build_optimizer(self, part):
         optim_cfg = copy.deepcopy(self.cfg.optim)
         if isinstance(optim_cfg.get("params"), dict) and "_target_" in optim_cfg.params:
-            optim_cfg.params.model = self.model
+            optim_cfg.params.model = part
         else:
-            optim_cfg.params = self.model.parameters()
+            optim_cfg.params = list(part.parameters())
         return instantiate(optim_cfg)
+
+    @staticmethod
+    def _pipeline_loss(logits, labels):
+        return causal_lm_loss(logits, labels)
 
     # ------------------------------------------------------------ one step
     def autocast(self):
-        if self.amp_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+        ctx = contextlib.ExitStack()
+        if self.amp_dtype is not None:
+            ctx.enter_context(torch.autocast(self.device.type, dtype=self.amp_dtype))
+        if self.dims.tp_enabled:
+            # Cross entropy on vocabulary-sharded logits: no rank gathers the full (B, T, V) tensor.
+            from torch.distributed.tensor.parallel import loss_parallel
+
+            ctx.enter_context(loss_parallel())
+        return ctx
+
+    def _set_gradient_sync(self, enabled: bool) -> None:
+        for part in self.model_parts:
+            if hasattr(part, "set_requires_gradient_sync"):
+                part.set_requires_gradient_sync(enabled)
+
+    def _batch(self, dataset, indices):
+        return {k: v.to(self.device, non_blocking=True) for k, v in to_model_inputs(collate(dataset, indices)).items()}
+
+    def forward_backward(self, micro_batches: list[list[int]]) -> torch.Tensor:
+        """This rank's share of the global-batch mean loss, with gradients accumulated (not yet synced)."""
+        n = len(micro_batches)
+        if self.schedule is not None:
+            inputs = self._batch(self.train_ds, [i for mb in micro_batches for i in mb])
+            losses = []
+            with self.autocast():
+                if self.stage_flags["first"]:
+                    self.schedule.step(inputs["input_ids"], target=inputs["labels"], losses=losses)
+                else:
+                    self.schedule.step(target=inputs["labels"], losses=losses)
+            if not self.stage_flags["last"]:
+                return torch.zeros((), device=self.device)
+            return torch.stack([local_scalar(l) for l in losses]).mean()
+        total = torch.zeros((), device=self.device)
+        for i, indices in enumerate(micro_batches):
+            self._set_gradient_sync(i == n - 1)  # reduce gradients once, after the last micro-batch
+            inputs = self._batch(self.train_ds, indices)
+            with self.autocast():
+                loss = self.model(**inputs).loss / n  # micro-batches are equal-sized: mean of means
+                (self.scaler.scale(loss) if self.scaler else loss).backward()
+            total += local_scalar(loss)
+        return total
+
+    def reduce_loss(self, local: torch.Tensor) -> float:
+        """Mean over the global batch: average over data-parallel ranks of the last pipeline stage."""
+        if self.world_size == 1:
+            return local.item()
+        share = local.float() * (1.0 if self.stage_flags["last"] else 0.0)
+        share = share / (self.dims.data_parallel_size * self.dims.tensor_parallel_size)
+        dist.all_reduce(share)
+        return share.item()
 
     def train_step(self, micro_batches: list[list[int]]) -> tuple[float, float]:
-        """Forward/backward over the micro-batches of one global batch, clip, update. Returns (loss, grad_norm)."""
-        self.model.train()
-        total_loss = torch.zeros((), device=self.device)
-        n = len(micro_batches)
-        for indices in micro_batches:
-            inputs = {k: v.to(self.device, non_blocking=True) for k, v in to_model_inputs(collate(self.train_ds, indices)).items()}
-            with self.autocast():
-                loss = self.model(**inputs).loss / n  # mean over the global batch: micro-batches are equal-sized
-            (self.scaler.scale(loss) if self.scaler else loss).backward()
-            total_loss += loss.detach()
+        """Forward/backward over one global batch, clip, update. Returns (loss, grad_norm)."""
+        for part in self.model_parts:
+            part.train()
+        local_loss = self.forward_backward(micro_batches)
+        sync_tied_gradients(self.tied_params, self.tied_group)
         if self.scaler:
-            self.scaler.unscale_(self.optimizer)
-        max_norm = self.cfg.train.get("clip_grad_norm") or float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+            for opt in self.optimizers:
+                self.scaler.unscale_(opt)
+        max_norm = self.cfg.train.get("clip_grad_norm") or None
+        params = [p for part in self.model_parts for p in part.parameters()]
+        pp_group = self.mesh.get_group("pipeline") if self.schedule is not None else None
+        grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, skip=self.tied_copies)
+        for opt in self.optimizers:
+            if self.scaler:
+                self.scaler.step(opt)
+            else:
+                opt.step()
+            opt.zero_grad(set_to_none=True)
         if self.scaler:
-            self.scaler.step(self.optimizer)
             self.scaler.update()
-        else:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        return total_loss.item(), grad_norm.item()
+        for sched in self.schedulers:
+            sched.step()
+        return self.reduce_loss(local_loss), grad_norm.item()
 
     # ------------------------------------------------------------ evaluation
     @torch.no_grad()
     def evaluate(self) -> dict:
-        """Mean validation loss and perplexity over the first ``eval_iter`` batches of the validation set."""
+        """Mean validation loss and perplexity over the first ``eval_iter`` global batches of the validation set.
+
+        The validation samples are split over ranks exactly like training batches, so the number is the same
+        in every layout."""
         ev = self.cfg.train.evaluation
-        batch = ev.get("eval_batch_size") or self.micro_batch_size
-        n = min(len(self.valid_ds), ev.get("eval_iter", 20) * batch)
-        self.model.eval()
-        loss_sum, count = 0.0, 0
-        for start in range(0, n, batch):
-            indices = list(range(start, min(n, start + batch)))
-            inputs = {k: v.to(self.device) for k, v in to_model_inputs(collate(self.valid_ds, indices)).items()}
+        G = self.global_batch_size
+        n_batches = min(ev.get("eval_iter", 20), len(self.valid_ds) // G)
+        if n_batches == 0:
+            raise ConfigError(
+                f"the validation set has {len(self.valid_ds)} samples, fewer than one global batch ({G}); "
+                "raise dataloader.train.valid_fraction or set train.evaluation.enabled=False."
+            )
+        for part in self.model_parts:
+            part.eval()
+        per_rank = G // self.dims.data_parallel_size
+        total = torch.zeros((), device=self.device)
+        for b in range(n_batches):
+            start = b * G + self.dp_rank * per_rank
+            indices = list(range(start, start + per_rank))
+            inputs = self._batch(self.valid_ds, indices)
             with self.autocast():
-                loss = self.model(**inputs).loss
-            loss_sum += loss.item() * len(indices)
-            count += len(indices)
-        self.model.train()
-        mean = loss_sum / max(count, 1)
-        return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)), "eval_samples": count}
+                if self.schedule is not None:
+                    losses = []
+                    if self.stage_flags["first"]:
+                        self.schedule.eval(inputs["input_ids"], target=inputs["labels"], losses=losses)
+                    else:
+                        self.schedule.eval(target=inputs["labels"], losses=losses)
+                    if self.stage_flags["last"]:
+                        total += torch.stack([local_scalar(l) for l in losses]).mean()
+                else:
+                    for k in range(0, per_rank, self.micro_batch_size):
+                        mb = {key: v[k:k + self.micro_batch_size] for key, v in inputs.items()}
+                        total += local_scalar(self.model(**mb).loss) * mb["input_ids"].shape[0] / per_rank
+        for part in self.model_parts:
+            part.train()
+        mean = self.reduce_loss(total) / n_batches
+        return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)), "eval_samples": n_batches * G}
 
     # ------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:
         state = {
             "step": self.step,
-            "scheduler": self.scheduler.state_dict(),
+            "scheduler": self.schedulers[0].state_dict(),
             "sampler": self.sampler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
         }
@@ -194,14 +352,15 @@ class Trainer:
 
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(
-            self.step, self.model, self.optimizer, self.trainer_state(),
+            self.step, self.model_parts, self.optimizers, self.trainer_state(),
             extra_meta={"layout": self.dims.describe(), "global_batch_size": self.global_batch_size},
         )
 
     def load_checkpoint(self, path: Path) -> None:
-        state = self.checkpointer.load(path, self.model, self.optimizer)
+        state = self.checkpointer.load(path, self.model_parts, self.optimizers)
         self.step = int(state["step"])
-        self.scheduler.load_state_dict(state["scheduler"])
+        for sched in self.schedulers:
+            sched.load_state_dict(state["scheduler"])
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["rng_cpu"])
         if self.device.type == "cuda" and "rng_cuda" in state:
@@ -211,18 +370,20 @@ class Trainer:
 
     # ------------------------------------------------------------ samples
     def sample_text(self) -> list[tuple[str, str]]:
+        """A few generated continuations (all ranks take part under TP/FSDP; not under pipeline parallelism)."""
         g = self.cfg.train.get("generation", {})
-        if not g.get("enabled", False):
+        if not g.get("enabled", False) or self.schedule is not None:
             return []
         out = []
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
         for prompt in g.get("prompts", []):
             ids = torch.tensor([self.tokenizer.encode(prompt)], device=self.device)
-            with self.autocast():
+            ctx = torch.autocast(self.device.type, dtype=self.amp_dtype) if self.amp_dtype else contextlib.nullcontext()
+            with ctx:
                 full = generate(
                     self.model, ids, g.get("max_new_tokens", 64), temperature=g.get("temperature", 0.8),
-                    top_k=g.get("top_k"), top_p=g.get("top_p"), max_context=getattr(self.model, "max_position_embeddings", None),
-                    generator=gen,
+                    top_k=g.get("top_k"), top_p=g.get("top_p"),
+                    max_context=getattr(self.model, "max_position_embeddings", None), generator=gen,
                 )
             out.append((prompt, self.tokenizer.decode(full[0, ids.shape[1]:].tolist())))
         return out
@@ -230,6 +391,8 @@ class Trainer:
     # ------------------------------------------------------------ the loop
     def train(self) -> dict:
         t = self.cfg.train
+        if self.world_size > 1:
+            dist.barrier()  # every rank has checked output_dir before rank 0 writes to it
         if self.resume_from is not None:
             self.load_checkpoint(self.resume_from)
             self.log(f"resumed from {self.resume_from} (step {self.step})")
@@ -240,13 +403,12 @@ class Trainer:
         writer = MetricsWriter(self.output_dir, tensorboard=t.get("tensorboard", True),
                                resume_step=self.step if self.resume_from else None) if self.is_main else None
         eval_enabled = t.evaluation.enabled and self.valid_ds is not None
-        first_eval = None
         if eval_enabled and self.step == 0:
-            first_eval = self.evaluate()
-            writer and writer.write({"step": 0, **first_eval})
-            self.log(f"step 0: validation loss {first_eval['eval_loss']:.4f}, perplexity {first_eval['eval_ppl']:.1f}")
+            first = self.evaluate()
+            writer and writer.write({"step": 0, **first})
+            self.log(f"step 0: validation loss {first['eval_loss']:.4f}, perplexity {first['eval_ppl']:.1f}")
         bar = ProgressBar(t.train_iter, initial=self.step, enabled=self.is_main)
-        start_step, t_start, t_last, last_eval = self.step, time.perf_counter(), time.perf_counter(), first_eval
+        start_step, t_start, t_last = self.step, time.perf_counter(), time.perf_counter()
         window_steps, mfus = 0, []
         while self.step < t.train_iter:
             loss, grad_norm = self.train_step(self.sampler.next_step())
@@ -264,7 +426,7 @@ class Trainer:
                 mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
                 mfus.append(mfu)
                 record = {
-                    "step": self.step, "loss": loss, "lr": self.scheduler.get_last_lr()[0],
+                    "step": self.step, "loss": loss, "lr": self.schedulers[0].get_last_lr()[0],
                     "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
                     "step_time_s": (now - t_last) / window_steps,
                     "consumed_samples": self.sampler.state_dict()["consumed_samples"],
@@ -277,9 +439,9 @@ class Trainer:
                            mfu=f"{100 * mfu:.1f}%")
             bar.update(1)
             if eval_enabled and (self.step % t.evaluation.eval_period == 0 or self.step == t.train_iter):
-                last_eval = self.evaluate()
-                writer and writer.write({"step": self.step, **last_eval})
-                bar.write(f"step {self.step}: validation loss {last_eval['eval_loss']:.4f}, perplexity {last_eval['eval_ppl']:.1f}")
+                ev = self.evaluate()
+                writer and writer.write({"step": self.step, **ev})
+                bar.write(f"step {self.step}: validation loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.1f}")
             period = t.checkpointer.period
             if (period and self.step % period == 0) or self.step == t.train_iter:
                 path = self.save_checkpoint()
@@ -287,6 +449,7 @@ class Trainer:
         bar.close()
         elapsed = time.perf_counter() - t_start
         summary = {"steps": self.step - start_step, "seconds": elapsed, "final_step": self.step}
+        samples = self.sample_text()  # every rank takes part (tensor-parallel forward)
         if self.is_main:
             writer.close()
             records = read_metrics(self.output_dir / "metrics.jsonl")
@@ -298,21 +461,29 @@ class Trainer:
                 eval_ppl_end=evals[-1]["eval_ppl"] if evals else None,
                 mean_tokens_per_s=(self.tokens_per_step * summary["steps"] / elapsed) if elapsed > 0 else None,
                 mean_mfu=(sum(mfus) / len(mfus)) if mfus else None,
+                samples=samples,
             )
             plot_loss_curve(self.output_dir / "metrics.jsonl", self.output_dir / "loss.png",
-                            title=f"{type(self.model).__name__} - {self.dims.describe()}")
-            summary["samples"] = self.sample_text()
+                            title=f"{self.model_name} - {self.dims.describe()}")
             self.log(self.summary_text(summary))
         return summary
 
     # ------------------------------------------------------------ people
     def describe(self) -> str:
-        n_params = sum(p.numel() for p in {id(p): p for p in self.model.parameters()}.values())
         t = self.cfg.train
         amp = f"{t.amp.dtype} autocast" if t.amp.enabled else "fp32"
+        zero = f", ZeRO stage {t.zero_optimization.stage}" if t.zero_optimization.enabled else ""
+        extras = []
+        if t.dist.get("sequence_parallel"):
+            extras.append("sequence parallel")
+        if self.schedule is not None:
+            extras.append(f"{t.dist.get('pipeline_schedule')} schedule")
+        if t.activation_checkpoint.enabled:
+            extras.append("activation checkpointing")
         return "\n".join([
-            f"dufu: {type(self.model).__name__} with {n_params / 1e6:.2f}M parameters on {self.device} ({amp})",
-            f"  layout       {self.dims.describe()}",
+            f"dufu: {self.model_name} with {self.num_parameters / 1e6:.2f}M parameters on "
+            f"{self.device.type} ({amp})",
+            f"  layout       {self.dims.describe()}{zero}{'; ' + ', '.join(extras) if extras else ''}",
             f"  batch        global {self.global_batch_size} = micro {self.micro_batch_size} x dp "
             f"{self.dims.data_parallel_size} x accumulation {self.num_accumulation_steps}; "
             f"{self.tokens_per_step:,} tokens/step",
@@ -340,11 +511,3 @@ class Trainer:
             lines.append(f"{prompt}\u2502{text}")
         lines.append("=" * 72)
         return "\n".join(lines)
-
-
-def with_kwargs(node, **kwargs):
-    """A copy of a LazyCall node with some keyword arguments filled in by the trainer (never saved)."""
-    node = copy.deepcopy(node)
-    for k, v in kwargs.items():
-        node[k] = v
-    return node

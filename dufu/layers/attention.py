@@ -17,6 +17,9 @@ from dufu.layers.linear import Linear
 
 
 class CausalSelfAttention(nn.Module):
+    # Under sequence parallelism, gather the sequence once here, not in each of q/k/v.
+    tensor_parallel_input = "replicate"
+
     def __init__(
         self,
         hidden_size: int,

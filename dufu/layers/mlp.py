@@ -18,6 +18,9 @@ _ACTIVATIONS = {
 
 
 class MLP(nn.Module):
+    # Under sequence parallelism, gather the sequence once before fc1.
+    tensor_parallel_input = "replicate"
+
     def __init__(
         self,
         hidden_size: int,

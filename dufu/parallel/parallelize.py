@@ -14,17 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
-def transformer_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The (name, module) pairs of a model's transformer blocks: the children of every ModuleDict/ModuleList
-    whose entries carry a ``layer_idx``."""
-    found = []
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleDict, nn.ModuleList)):
-            children = list(module.named_children())
-            if children and all(hasattr(c, "layer_idx") for _, c in children):
-                found.extend((f"{name}.{n}" if name else n, c) for n, c in children)
-    return found
+from dufu.parallel.parallelize_utils import transformer_blocks
 
 
 def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
@@ -47,9 +37,35 @@ def apply_compile(model: nn.Module) -> nn.Module:
     return model
 
 
-def parallelize(model: nn.Module, dims=None, *, activation_checkpoint: bool = False, compile: bool = False) -> nn.Module:
+def parallelize(
+    model: nn.Module,
+    mesh=None,
+    *,
+    tensor_parallel: bool = False,
+    sequence_parallel: bool = False,
+    data_parallel: bool = False,
+    zero_stage: int | None = None,
+    activation_checkpoint: bool = False,
+    compile: bool = False,
+) -> nn.Module:
+    """Apply, in this order: TP (+SP) on ``mesh["tensor"]``, activation checkpointing, compile, then
+    data parallelism on ``mesh["data"]``: FSDP2 for ZeRO stages 1-3, ``replicate`` (DDP) without ZeRO.
+
+    ``mesh`` is the stage's (data, tensor) DeviceMesh; it may be None on one process.
+    """
+    if tensor_parallel:
+        from dufu.parallel.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, mesh["tensor"], sequence_parallel=sequence_parallel)
     if activation_checkpoint:
         apply_activation_checkpointing(model)
     if compile:
         apply_compile(model)
+    if data_parallel or zero_stage:
+        from dufu.parallel.data_parallel import apply_fsdp, apply_replicate
+
+        if zero_stage:
+            apply_fsdp(model, mesh["data"], zero_stage)
+        else:
+            apply_replicate(model, mesh["data"])
     return model

@@ -50,6 +50,9 @@ class GPTModel(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.tie_word_embeddings = tie_word_embeddings
+        # False: forward returns a plain tensor (logits, or hidden states on an inner pipeline stage),
+        # as a pipeline stage must; like transformers' ``return_dict``.
+        self.return_dict = True
         ffn_hidden_size = ffn_hidden_size or 4 * hidden_size
 
         self.wte = VocabEmbedding(vocab_size, hidden_size)
@@ -73,15 +76,25 @@ class GPTModel(nn.Module):
         )
         self.ln_f = LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.lm_head = Linear(hidden_size, vocab_size, bias=False, parallel="col")
-        if tie_word_embeddings:
-            self.lm_head.weight = self.wte.weight
+        self.tie_weights()
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
     # ------------------------------------------------------------------ init
+    def tie_weights(self) -> None:
+        """Make the output head use the token embedding's tensor (when ``tie_word_embeddings``).
+
+        ``nn.Module.to_empty`` (meta-device build -> real device) gives every module its own new
+        tensor and so unties them; ``init_weights`` therefore ties again before initialising.
+        """
+        wte, lm_head = getattr(self, "wte", None), getattr(self, "lm_head", None)
+        if self.tie_word_embeddings and wte is not None and lm_head is not None:
+            lm_head.weight = wte.weight
+
     @torch.no_grad()
     def init_weights(self) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * num_layers)."""
+        self.tie_weights()
         std = self.initializer_range
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
@@ -106,6 +119,8 @@ class GPTModel(nn.Module):
     ) -> ModelOutput:
         hidden = self.hidden_states(input_ids, position_ids)
         logits = self.head(hidden)
+        if not self.return_dict and labels is None:
+            return logits
         loss = None
         if labels is not None:
             loss = causal_lm_loss(logits, labels)

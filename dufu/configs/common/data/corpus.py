@@ -5,7 +5,8 @@ from dufu.config import LazyCall as L
 from dufu.data import build_lm_datasets, build_tokenizer
 
 tokenization = dict(
-    tokenizer=L(build_tokenizer)(kind="bpe", vocab_size=2048, corpus="builtin"),
+    # path: a tokenizer.json file or a directory holding one, for kind="pretrained".
+    tokenizer=L(build_tokenizer)(kind="bpe", vocab_size=2048, corpus="builtin", path=None),
 )
 
 dataloader = dict(

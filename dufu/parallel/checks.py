@@ -1,0 +1,97 @@
+"""Layout checks against the model, run at start-up before any work. Each error shows the arithmetic."""
+
+from __future__ import annotations
+
+from dufu.errors import LayoutError
+from dufu.parallel.pipeline import SCHEDULES, layer_stage_ids
+
+
+def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microbatches: int) -> list[int] | None:
+    """Raise LayoutError for a layout the model cannot take; return the layer -> stage ids under PP."""
+    tp = dims.tensor_parallel_size
+    if tp > 1:
+        sizes = {
+            "model.num_attention_heads": getattr(model, "num_attention_heads", None),
+            "model.hidden_size": getattr(model, "hidden_size", None),
+            "model.vocab_size (padded)": getattr(model, "vocab_size", None),
+        }
+        ffn = None
+        for m in model.modules():
+            if hasattr(m, "fc1"):
+                ffn = m.fc1.out_features
+                break
+        sizes["model.ffn_hidden_size"] = ffn
+        for key, value in sizes.items():
+            if value is not None and value % tp != 0:
+                fix = (
+                    f"pad the vocabulary to a multiple of {tp} (e.g. model.vocab_size={-(-value // tp) * tp})"
+                    if "vocab" in key else f"choose a tensor_parallel_size that divides {value}"
+                )
+                raise LayoutError(
+                    f"tensor parallelism splits {key} across ranks, but {value} / tensor_parallel_size {tp} = "
+                    f"{value / tp:g} is not whole. Either {fix}, or change train.dist.tensor_parallel_size."
+                )
+        if dist_cfg.get("sequence_parallel") and seq_length % tp != 0:
+            raise LayoutError(
+                f"sequence parallelism splits the sequence across tensor-parallel ranks, but seq_length "
+                f"{seq_length} / {tp} is not whole. Use a sequence length divisible by {tp}."
+            )
+    elif dist_cfg.get("sequence_parallel"):
+        raise LayoutError(
+            "train.dist.sequence_parallel=True needs tensor parallelism (it splits the sequence across the "
+            "tensor-parallel ranks), but tensor_parallel_size is 1. Set train.dist.tensor_parallel_size > 1 or "
+            "turn sequence_parallel off."
+        )
+    zero = zero_cfg.get("enabled", False)
+    if zero and dims.data_parallel_size == 1:
+        raise LayoutError(
+            f"ZeRO stage {zero_cfg.get('stage')} shards state across data-parallel ranks, but data_parallel_size "
+            "is 1, so there is nothing to shard. Use more data-parallel ranks (train.dist.data_parallel_size) or "
+            "set train.zero_optimization.enabled=False."
+        )
+    pp = dims.pipeline_parallel_size
+    schedule = dist_cfg.get("pipeline_schedule", "1f1b")
+    v = dist_cfg.get("virtual_pipeline_size", 1) or 1
+    if schedule not in SCHEDULES:
+        raise LayoutError(
+            f"train.dist.pipeline_schedule={schedule!r} is not known; use one of {', '.join(SCHEDULES)}."
+        )
+    multi = SCHEDULES[schedule][1]
+    if pp == 1:
+        return None
+    if multi and v < 2:
+        raise LayoutError(
+            f"the {schedule} schedule runs several stages per rank: set train.dist.virtual_pipeline_size to 2 or "
+            "more (stages per rank)."
+        )
+    if not multi and v != 1:
+        raise LayoutError(
+            f"train.dist.virtual_pipeline_size={v} needs an interleaved schedule; set "
+            "train.dist.pipeline_schedule=interleaved_1f1b, or virtual_pipeline_size=1."
+        )
+    num_layers = dist_cfg.get("pipeline_num_layers") or getattr(model, "num_layers", None)
+    model_layers = getattr(model, "num_layers", num_layers)
+    if num_layers != model_layers:
+        raise LayoutError(
+            f"train.dist.pipeline_num_layers={num_layers} but the model has {model_layers} layers; "
+            "leave it None or make them equal."
+        )
+    stages = pp * v
+    if stages > num_layers:
+        raise LayoutError(
+            f"pipeline_parallel_size {pp} x virtual_pipeline_size {v} = {stages} stages, but the model has only "
+            f"{num_layers} layers and each stage needs at least one. Use at most {num_layers} stages."
+        )
+    if num_microbatches < pp:
+        raise LayoutError(
+            f"under pipeline parallelism the accumulation steps are the micro-batches, and {schedule} needs at "
+            f"least as many micro-batches as stages: num_accumulation_steps is {num_microbatches}, "
+            f"pipeline_parallel_size is {pp}. Raise train.global_batch_size or train.num_accumulation_steps "
+            f"(global = micro x dp x accumulation)."
+        )
+    if multi and num_microbatches % pp != 0:
+        raise LayoutError(
+            f"{schedule} needs the number of micro-batches ({num_microbatches}) to be a multiple of "
+            f"pipeline_parallel_size {pp}; adjust train.global_batch_size or train.num_accumulation_steps."
+        )
+    return layer_stage_ids(num_layers, stages, dist_cfg.get("custom_pipeline_stage_id"))

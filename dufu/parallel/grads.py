@@ -1,0 +1,87 @@
+"""Gradient utilities that are correct in every layout.
+
+``clip_grad_norm_`` computes the global L2 norm over parameters that may be
+plain tensors (replicated), DTensors on different meshes (tensor parallel,
+FSDP) and split across pipeline stages, counting a tied parameter that lives
+on two stages once; then scales all gradients with torch's
+``clip_grads_with_norm_``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+
+def tied_parameters(modules) -> tuple[list, list]:
+    """(copies, all tied) parameters of pipeline stage modules, looked up by name *after* parallelization
+    (TP and FSDP replace parameter objects, so they cannot carry flags)."""
+    copies, tied = [], []
+    for m in modules:
+        for name, role in getattr(m, "tied_parameter_role", {}).items():
+            p = m.get_parameter(name)
+            tied.append(p)
+            if role == "copy":
+                copies.append(p)
+    return copies, tied
+
+
+def _unique_grads(parameters) -> list[torch.Tensor]:
+    seen, grads = set(), []
+    for p in parameters:
+        if id(p) in seen or p.grad is None:
+            continue
+        seen.add(id(p))
+        grads.append(p)
+    return grads
+
+
+def total_grad_norm(parameters, pp_group=None, skip=()) -> torch.Tensor:
+    params = _unique_grads(parameters)
+    skip_ids = {id(p) for p in skip}
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        if id(p) in skip_ids:
+            continue  # the same gradient is counted on the stage that owns the embedding
+        g = p.grad
+        key = (id(g.device_mesh), g.placements) if isinstance(g, DTensor) else ("local", g.device)
+        groups.setdefault(key, []).append(g)
+    device = params[0].grad.device if params else torch.device("cpu")
+    sq = torch.zeros((), dtype=torch.float32, device=device if device.type != "meta" else "cpu")
+    for key, grads in groups.items():
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None)
+        if isinstance(norm, DTensor):
+            norm = norm.full_tensor()
+        sq = sq + norm.float().to(sq.device) ** 2
+    if pp_group is not None:
+        dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
+    return sq.sqrt()
+
+
+def clip_grad_norm_(parameters, max_norm: float | None, pp_group=None, skip=()) -> torch.Tensor:
+    """Clip to ``max_norm`` (None or inf: only measure). Returns the total norm before clipping.
+    ``skip``: parameters left out of the norm (a tied copy whose twin is counted on another stage)."""
+    parameters = list(parameters)
+    total = total_grad_norm(parameters, pp_group, skip)
+    if max_norm is not None and math.isfinite(max_norm):
+        grads_params = _unique_grads(parameters)
+        by_mesh: dict = {}
+        for p in grads_params:
+            key = id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else "local"
+            by_mesh.setdefault(key, []).append(p)
+        for ps in by_mesh.values():
+            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=None)
+    return total
+
+
+def sync_tied_gradients(tied, group) -> None:
+    """Sum the gradients of a tied parameter held on two pipeline stages (Megatron's embedding group)."""
+    if group is None:
+        return
+    for p in tied:
+        if p.grad is not None:
+            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)

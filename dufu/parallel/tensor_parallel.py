@@ -1,0 +1,85 @@
+"""Tensor (and sequence) parallelism from the style each dufu layer declares.
+
+The plan is data read off the model, not written per model family:
+
+=====================================  ===============================================
+layer declares                         torch style applied (Megatron-LM terms)
+=====================================  ===============================================
+``Linear(parallel="col")``             ``ColwiseParallel``   (ColumnParallelLinear)
+``Linear(parallel="row")``             ``RowwiseParallel``   (RowParallelLinear); output
+                                       sequence-sharded under sequence parallelism
+``VocabEmbedding``                     ``RowwiseParallel`` on the table (VocabParallelEmbedding)
+``PositionEmbedding``                  replicated; output sliced along the sequence under SP
+norm with ``sequence_parallel=True``   ``SequenceParallel`` (under SP only)
+module with ``tensor_parallel_input``  ``PrepareModuleInput``: gather the sequence once
+                                       before its column-parallel projections (under SP)
+the output head (a col ``Linear``      ``ColwiseParallel`` keeping logits vocab-sharded
+with ``is_output_head``)               (``Shard(-1)``) for ``loss_parallel``
+=====================================  ===============================================
+
+Sequence parallelism follows Korthikanti et al. 2022: between the tensor-parallel
+regions the activations (B, T, C) are split along T, so norms and dropout run on
+1/tp of the sequence.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+
+from dufu.layers.embedding import PositionEmbedding, VocabEmbedding
+from dufu.layers.linear import Linear
+
+
+def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head: nn.Module | None = None) -> dict:
+    """The {module name: ParallelStyle} plan for ``model``, from the styles its layers declare."""
+    seq = Shard(1) if sequence_parallel else Replicate()
+    plan = {}
+    for name, module in model.named_modules():
+        if not name:
+            continue
+        if module is head:
+            plan[name] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+        elif isinstance(module, Linear):
+            if module.parallel == "col":
+                plan[name] = ColwiseParallel()
+            elif module.parallel == "row":
+                plan[name] = RowwiseParallel(output_layouts=seq)
+        elif isinstance(module, VocabEmbedding):
+            plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
+        elif isinstance(module, PositionEmbedding) and sequence_parallel:
+            plan[name] = PrepareModuleOutput(
+                output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
+            )
+        elif sequence_parallel and getattr(module, "sequence_parallel", False):
+            plan[name] = SequenceParallel()
+        elif sequence_parallel and getattr(module, "tensor_parallel_input", None) == "replicate":
+            plan[name] = PrepareModuleInput(
+                input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            )
+    return plan
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
+    """Shard ``model`` over ``tp_mesh`` in place. Tied input/output embeddings stay tied."""
+    head = getattr(model, "lm_head", None)
+    tied = (
+        head is not None
+        and getattr(model, "wte", None) is not None
+        and head.weight is model.wte.weight
+    )
+    plan = tensor_parallel_plan(model, sequence_parallel, head=head)
+    parallelize_module(model, tp_mesh, plan)
+    if tied:
+        # Both styles split the (vocab, hidden) table along the vocabulary (Shard(0)), so the
+        # embedding's sharded parameter serves the head unchanged.
+        model.lm_head.weight = model.wte.weight
+    return model
