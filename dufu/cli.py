@@ -12,8 +12,10 @@ from dufu.errors import DufuError
 USAGE = """dufu <command> [...]
 
 commands:
-  train [CONFIG] [--resume] [--show-config] [key=value ...]
-                      train; CONFIG is a .py/.yaml file or a packaged recipe name (default: "default")
+  train [CONFIG] [--resume] [--nproc N] [--show-config] [key=value ...]
+                      train; CONFIG is a .py/.yaml file or a packaged recipe name (default: "default");
+                      --nproc N starts N processes through torchrun (multi-node: --nnodes, --node-rank,
+                      --master-addr, --master-port)
   configs             list the packaged recipes
   preprocess ...      tokenize text/jsonl into a memory-mapped token file (dufu preprocess -h)
 """
@@ -38,7 +40,17 @@ def cmd_train(argv: list[str]) -> int:
     parser.add_argument("config", nargs="?", default=None,
                         help="a .py or .yaml config, or a packaged recipe name (see `dufu configs`); default: default")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
+    parser.add_argument("--resume-if-exists", action="store_true",
+                        help="resume when train.output_dir holds a checkpoint, else start fresh (used for restarts)")
     parser.add_argument("--show-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
+                        help="processes per node; dufu starts them through torchrun")
+    parser.add_argument("--nnodes", default=None, help="number of nodes (torchrun --nnodes)")
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (torchrun --node-rank)")
+    parser.add_argument("--master-addr", default=None, help="address of node 0 (torchrun --master-addr)")
+    parser.add_argument("--master-port", type=int, default=None, help="port on node 0 (torchrun --master-port)")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="restart a failed job up to N times, resuming from the last complete checkpoint")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.train_iter=100 optim.lr=1e-3")
     args, extra = parser.parse_known_args(argv)
     overrides = list(args.overrides) + extra
@@ -51,6 +63,9 @@ def cmd_train(argv: list[str]) -> int:
     if unknown_flags:
         raise DufuError(f"unknown option(s) {' '.join(unknown_flags)} for `dufu train`; see `dufu train --help`.")
     cfg = load_train_config(config, overrides)
+    launching = args.nproc is not None and "LOCAL_RANK" not in os.environ
+    if launching:
+        return launch(args, config, overrides, cfg)
     if args.show_config:
         from dufu.config import LazyConfig
         import tempfile
@@ -59,10 +74,31 @@ def cmd_train(argv: list[str]) -> int:
             LazyConfig.save(cfg, os.path.join(d, "config.yaml"))
             print(open(os.path.join(d, "config.yaml")).read())
         return 0
+    from dufu.dist.launch import finish_distributed
     from dufu.engine.trainer import Trainer
 
-    Trainer(cfg, resume=args.resume).train()
+    Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume).train()
+    finish_distributed(0)
     return 0
+
+
+def launch(args, config, overrides, cfg) -> int:
+    """Check the config for the requested world size here, once, then start the workers through torchrun."""
+    import subprocess
+
+    from dufu.dist.launch import torchrun_command
+    from dufu.engine.trainer import preflight
+
+    nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
+    preflight(cfg, world_size=args.nproc * nnodes, resume=args.resume or bool(args.max_restarts))
+    argv = ([config] if config else []) + overrides
+    if args.resume or args.max_restarts:
+        # A restarted worker group must continue from the last complete checkpoint, not start over.
+        argv.append("--resume-if-exists" if not args.resume else "--resume")
+    cmd = torchrun_command(args.nproc, argv, nnodes=args.nnodes, node_rank=args.node_rank,
+                           master_addr=args.master_addr, master_port=args.master_port,
+                           max_restarts=args.max_restarts)
+    return subprocess.call(cmd)
 
 
 def cmd_configs(argv: list[str]) -> int:
@@ -105,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[command](rest) or 0
     except DufuError as err:
-        _print_error(err)
+        if os.environ.get("RANK", "0") == "0":  # in a multi-process job, one copy of the message
+            _print_error(err)
         return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)

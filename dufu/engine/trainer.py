@@ -64,8 +64,46 @@ def with_kwargs(node, **kwargs):
     return node
 
 
+def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
+    """Every start-up check that needs no process group, for ``world_size`` processes: run by
+    ``dufu train --nproc`` before it starts any worker, so a bad config fails once, readably."""
+    validate_config(cfg)
+    t = cfg.train
+    dims = ParallelDims.from_config(t.dist, world_size)
+    _, _, accum = resolve_batch_sizes(t.train_micro_batch_size, t.global_batch_size, t.num_accumulation_steps,
+                                      dims.data_parallel_size)
+    if t.amp.enabled and t.amp.dtype == "fp16" and world_size > 1:
+        raise LayoutError(FP16_MULTIPROCESS)
+    if not resume:
+        _check_fresh_output_dir(Path(t.output_dir))
+    tokenizer = instantiate(cfg.tokenization.tokenizer)
+    train_ds, _ = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # also fills the data cache
+    with torch.device("meta"):
+        model = instantiate(cfg.model)
+    validate_layout(dims, model, t.dist, t.zero_optimization, train_ds[0].shape[0] - 1, accum)
+
+
+FP16_MULTIPROCESS = (
+    "fp16 loss scaling is supported on one process only so far (its overflow check is per rank); "
+    "use train.amp.dtype=bf16, which needs no loss scaling, for multi-process runs."
+)
+
+
+def _check_fresh_output_dir(output_dir: Path) -> None:
+    latest = Checkpointer(output_dir / "checkpoints").latest()
+    if latest is not None or (output_dir / "metrics.jsonl").exists():
+        raise DufuError(
+            f"train.output_dir '{output_dir}' already holds a run"
+            f"{f' (latest checkpoint {latest.name})' if latest else ''}. Nothing was changed. To continue it, add "
+            "--resume; to start a new run, choose another directory (train.output_dir=...) or delete this one."
+        )
+
+
 class Trainer:
-    def __init__(self, cfg, resume: bool = False, log=print):
+    """``resume``: False (a new run; output_dir must not hold one), True (continue from the latest
+    complete checkpoint), or "auto" (resume if there is a checkpoint, else start over: elastic restarts)."""
+
+    def __init__(self, cfg, resume: bool | str = False, log=print):
         validate_config(cfg)
         self.cfg = cfg
         t = cfg.train
@@ -82,10 +120,7 @@ class Trainer:
         self.resume_from = self._find_resume_checkpoint(resume)
         self.amp_dtype = AMP_DTYPES[t.amp.dtype] if t.amp.enabled else None
         if self.amp_dtype == torch.float16 and self.world_size > 1:
-            raise LayoutError(
-                "fp16 loss scaling is supported on one process only so far (its overflow check is per rank); "
-                "use train.amp.dtype=bf16, which needs no loss scaling, for multi-process runs."
-            )
+            raise LayoutError(FP16_MULTIPROCESS)
 
         torch.manual_seed(t.seed)
         self.tokenizer = instantiate(cfg.tokenization.tokenizer)
@@ -128,8 +163,10 @@ class Trainer:
         )
 
     # ------------------------------------------------------------- building
-    def _find_resume_checkpoint(self, resume: bool) -> Optional[Path]:
+    def _find_resume_checkpoint(self, resume: bool | str) -> Optional[Path]:
         latest = self.checkpointer.latest()
+        if resume == "auto":
+            return latest
         if resume:
             if latest is None:
                 raise DufuError(
@@ -137,12 +174,7 @@ class Trainer:
                     "Check train.output_dir, or start the run without --resume."
                 )
             return latest
-        if latest is not None or (self.output_dir / "metrics.jsonl").exists():
-            raise DufuError(
-                f"train.output_dir '{self.output_dir}' already holds a run"
-                f"{f' (latest checkpoint {latest.name})' if latest else ''}. Nothing was changed. To continue it, add "
-                "--resume; to start a new run, choose another directory (train.output_dir=...) or delete this one."
-            )
+        _check_fresh_output_dir(self.output_dir)
         return None
 
     def _build_model(self) -> torch.nn.Module:

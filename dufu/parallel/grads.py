@@ -82,6 +82,14 @@ def sync_tied_gradients(tied, group) -> None:
     if group is None:
         return
     for p in tied:
-        if p.grad is not None:
-            g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
-            dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            if p.grad.placements != p.placements:
+                # e.g. an embedding's gradient comes out replicated while its table is vocab-sharded:
+                # bring both stages' copies to the parameter's own layout so the local shards match.
+                p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+            g = p.grad.to_local()
+        else:
+            g = p.grad
+        dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
