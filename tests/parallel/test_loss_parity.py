@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .conftest import PARITY_ARGS, assert_ok, final_model_state, losses, run_dufu
+from parallel_runs import PARITY_ARGS, assert_ok, final_model_state, losses, run_dufu
 
 DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 ZERO = "train.zero_optimization.enabled=True"
