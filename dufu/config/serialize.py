@@ -96,6 +96,12 @@ def dump_yaml(cfg: Mapping) -> str:
     )
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def save(cfg: Mapping, path: str | Path) -> Path:
     """Write `cfg` as YAML to `path` atomically (temp file + rename); return the path.
 
@@ -115,6 +121,8 @@ def save(cfg: Mapping, path: str | Path) -> Path:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
+        # mkstemp creates the file readable by its owner only; give it the mode a plain open() would.
+        os.chmod(tmp, 0o666 & ~_umask())
         os.replace(tmp, target)
     except BaseException:
         try:

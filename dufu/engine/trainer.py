@@ -29,6 +29,7 @@ from dufu.engine import env
 from dufu.engine.checkpoint import Checkpointer
 from dufu.engine.flops import count_matmul_params, device_peak_flops, flops_per_token
 from dufu.engine.generate import generate
+from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DufuError, LayoutError
@@ -72,21 +73,50 @@ def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
     dims = ParallelDims.from_config(t.dist, world_size)
     _, _, accum = resolve_batch_sizes(t.train_micro_batch_size, t.global_batch_size, t.num_accumulation_steps,
                                       dims.data_parallel_size)
-    if t.amp.enabled and t.amp.dtype == "fp16" and world_size > 1:
-        raise LayoutError(FP16_MULTIPROCESS)
     if not resume:
         _check_fresh_output_dir(Path(t.output_dir))
     tokenizer = instantiate(cfg.tokenization.tokenizer)
-    train_ds, _ = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # also fills the data cache
+    train_ds, valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # fills the data cache
+    check_validation_set(cfg, valid_ds, dims.data_parallel_size * t.train_micro_batch_size * accum)
+    seq_length = train_ds[0].shape[0] - 1
     with torch.device("meta"):
+        model = build_model(cfg, tokenizer, seq_length)
+    validate_layout(dims, model, t.dist, t.zero_optimization, seq_length, accum)
+
+
+def check_validation_set(cfg, valid_ds, global_batch_size: int) -> None:
+    """Evaluation runs whole global batches; refuse, before anything is written, a set smaller than one."""
+    if not cfg.train.evaluation.enabled or valid_ds is None:
+        return
+    if len(valid_ds) < global_batch_size:
+        raise ConfigError(
+            f"the validation set has {len(valid_ds)} samples, fewer than one global batch ({global_batch_size}), "
+            "and evaluation runs whole global batches. Raise dataloader.train.valid_fraction, lower "
+            "train.global_batch_size, or set train.evaluation.enabled=False."
+        )
+
+
+def build_model(cfg, tokenizer, seq_length: int) -> torch.nn.Module:
+    """Instantiate ``cfg.model`` and check it fits the tokenizer and the data's sequence length."""
+    try:
         model = instantiate(cfg.model)
-    validate_layout(dims, model, t.dist, t.zero_optimization, train_ds[0].shape[0] - 1, accum)
-
-
-FP16_MULTIPROCESS = (
-    "fp16 loss scaling is supported on one process only so far (its overflow check is per rank); "
-    "use train.amp.dtype=bf16, which needs no loss scaling, for multi-process runs."
-)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, DufuError):
+            raise
+        raise ConfigError(f"the model cannot be built from model.*: {e}. Fix those keys in the config.") from None
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab}. "
+            f"Set model.vocab_size={tokenizer.vocab_size} or more (a multiple of 128 is fastest)."
+        )
+    max_pos = getattr(model, "max_position_embeddings", None)
+    if max_pos is not None and seq_length > max_pos:
+        raise ConfigError(
+            f"the data's sequence length {seq_length} exceeds model.max_position_embeddings {max_pos}; "
+            "lower dataloader.train.seq_length or raise model.max_position_embeddings."
+        )
+    return model
 
 
 def _check_fresh_output_dir(output_dir: Path) -> None:
@@ -119,14 +149,13 @@ class Trainer:
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", t.checkpointer.max_to_keep, self.rank)
         self.resume_from = self._find_resume_checkpoint(resume)
         self.amp_dtype = AMP_DTYPES[t.amp.dtype] if t.amp.enabled else None
-        if self.amp_dtype == torch.float16 and self.world_size > 1:
-            raise LayoutError(FP16_MULTIPROCESS)
 
         torch.manual_seed(t.seed)
         self.tokenizer = instantiate(cfg.tokenization.tokenizer)
         self.train_ds, self.valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=self.tokenizer))
         self.seq_length = self.train_ds[0].shape[0] - 1
-        model = self._build_model()  # full model, initialised identically on every rank (same seed)
+        check_validation_set(cfg, self.valid_ds, self.global_batch_size)
+        model = build_model(self.cfg, self.tokenizer, self.seq_length)  # full model, initialised identically on every rank (same seed)
         stage_ids = validate_layout(self.dims, model, t.dist, t.zero_optimization, self.seq_length,
                                     self.num_accumulation_steps)
 
@@ -146,6 +175,9 @@ class Trainer:
         self.tied_group = self._tied_group() if stage_ids is not None and getattr(model, "tie_word_embeddings", False) else None
         self.tied_params = tied
         del model
+        # Dropout after initialisation: masks differ across data-parallel ranks (they see different samples)
+        # and agree across tensor-parallel peers (they hold the same replicated activations).
+        torch.manual_seed(t.seed + 1_000_003 * self.dp_rank)
 
         self.optimizers = [self._build_optimizer(part) for part in self.model_parts]
         self.schedulers = [
@@ -155,7 +187,7 @@ class Trainer:
             len(self.train_ds), self.global_batch_size, self.micro_batch_size,
             data_parallel_rank=self.dp_rank, data_parallel_size=self.dims.data_parallel_size, seed=t.seed,
         )
-        self.scaler = torch.amp.GradScaler(self.device.type) if self.amp_dtype == torch.float16 else None
+        self.scaler = self._build_grad_scaler()
         self.step = 0
         self.tokens_per_step = self.global_batch_size * self.seq_length
         self.peak_flops, self.peak_source = device_peak_flops(
@@ -176,22 +208,6 @@ class Trainer:
             return latest
         _check_fresh_output_dir(self.output_dir)
         return None
-
-    def _build_model(self) -> torch.nn.Module:
-        model = instantiate(self.cfg.model)
-        vocab = getattr(model, "vocab_size", None)
-        if vocab is not None and self.tokenizer.vocab_size > vocab:
-            raise ConfigError(
-                f"the tokenizer has {self.tokenizer.vocab_size} tokens but model.vocab_size is {vocab}. "
-                f"Set model.vocab_size={self.tokenizer.vocab_size} or more (a multiple of 128 is fastest)."
-            )
-        max_pos = getattr(model, "max_position_embeddings", None)
-        if max_pos is not None and self.seq_length > max_pos:
-            raise ConfigError(
-                f"the data's sequence length {self.seq_length} exceeds model.max_position_embeddings {max_pos}; "
-                "lower dataloader.train.seq_length or raise model.max_position_embeddings."
-            )
-        return model
 
     def _build_parts(self, model, stage_ids):
         """Split into this rank's pipeline stages (or keep whole) and parallelize each part."""
@@ -245,9 +261,14 @@ class Trainer:
             optim_cfg.params = list(part.parameters())
         return instantiate(optim_cfg)
 
-    @staticmethod
-    def _pipeline_loss(logits, labels):
-        return causal_lm_loss(logits, labels)
+    def _build_grad_scaler(self):
+        """Dynamic loss scaling for fp16 only; bf16 has fp32's exponent range and needs none."""
+        return DynamicLossScaler() if self.amp_dtype == torch.float16 else None
+
+    def _pipeline_loss(self, logits, labels):
+        loss = causal_lm_loss(logits, labels)
+        # The schedule runs backward itself, so fp16 loss scaling happens here (undone for logging).
+        return loss * self.scaler.scale if self.scaler is not None else loss
 
     # ------------------------------------------------------------ one step
     def autocast(self):
@@ -282,14 +303,15 @@ class Trainer:
                     self.schedule.step(target=inputs["labels"], losses=losses)
             if not self.stage_flags["last"]:
                 return torch.zeros((), device=self.device)
-            return torch.stack([local_scalar(l) for l in losses]).mean()
+            scale = self.scaler.scale if self.scaler is not None else 1.0
+            return torch.stack([local_scalar(l) for l in losses]).mean() / scale
         total = torch.zeros((), device=self.device)
         for i, indices in enumerate(micro_batches):
             self._set_gradient_sync(i == n - 1)  # reduce gradients once, after the last micro-batch
             inputs = self._batch(self.train_ds, indices)
             with self.autocast():
                 loss = self.model(**inputs).loss / n  # micro-batches are equal-sized: mean of means
-                (self.scaler.scale(loss) if self.scaler else loss).backward()
+                (loss * self.scaler.scale if self.scaler else loss).backward()
             total += local_scalar(loss)
         return total
 
@@ -308,21 +330,19 @@ class Trainer:
             part.train()
         local_loss = self.forward_backward(micro_batches)
         sync_tied_gradients(self.tied_params, self.tied_group)
-        if self.scaler:
-            for opt in self.optimizers:
-                self.scaler.unscale_(opt)
+        self.last_lr = self.optimizers[0].param_groups[0]["lr"]  # the rate this step is taken with
         max_norm = self.cfg.train.get("clip_grad_norm") or None
         params = [p for part in self.model_parts for p in part.parameters()]
         pp_group = self.mesh.get_group("pipeline") if self.schedule is not None else None
-        grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, skip=self.tied_copies)
+        grad_norm = clip_grad_norm_(params, max_norm, pp_group=pp_group, skip=self.tied_copies,
+                                    grad_scale=self.scaler.scale if self.scaler else 1.0)
+        overflow = not torch.isfinite(grad_norm)  # the same verdict on every rank: the norm is global
+        if self.scaler:
+            self.scaler.update(overflow)
         for opt in self.optimizers:
-            if self.scaler:
-                self.scaler.step(opt)
-            else:
+            if not (overflow and self.scaler):  # fp16 overflow: skip this step, the scale backs off
                 opt.step()
             opt.zero_grad(set_to_none=True)
-        if self.scaler:
-            self.scaler.update()
         for sched in self.schedulers:
             sched.step()
         return self.reduce_loss(local_loss), grad_norm.item()
@@ -337,11 +357,6 @@ class Trainer:
         ev = self.cfg.train.evaluation
         G = self.global_batch_size
         n_batches = min(ev.get("eval_iter", 20), len(self.valid_ds) // G)
-        if n_batches == 0:
-            raise ConfigError(
-                f"the validation set has {len(self.valid_ds)} samples, fewer than one global batch ({G}); "
-                "raise dataloader.train.valid_fraction or set train.evaluation.enabled=False."
-            )
         for part in self.model_parts:
             part.eval()
         per_rank = G // self.dims.data_parallel_size
@@ -458,13 +473,14 @@ class Trainer:
                 mfu = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
                 mfus.append(mfu)
                 record = {
-                    "step": self.step, "loss": loss, "lr": self.schedulers[0].get_last_lr()[0],
+                    "step": self.step, "loss": loss, "lr": self.last_lr,
                     "grad_norm": grad_norm, "tokens_per_s": tokens_per_s, "mfu": mfu,
                     "step_time_s": (now - t_last) / window_steps,
                     "consumed_samples": self.sampler.state_dict()["consumed_samples"],
                 }
                 if self.scaler is not None:
-                    record["loss_scale"] = self.scaler.get_scale()
+                    record["loss_scale"] = self.scaler.scale
+                    record["skipped_steps"] = self.scaler.skipped_steps
                 writer and writer.write(record)
                 t_last, window_steps = now, 0
                 bar.update(0, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", **{"tok/s": f"{tokens_per_s:,.0f}"},

@@ -85,7 +85,7 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
     if num_microbatches < pp:
         raise LayoutError(
             f"under pipeline parallelism the accumulation steps are the micro-batches, and {schedule} needs at "
-            f"least as many micro-batches as stages: num_accumulation_steps is {num_microbatches}, "
+            f"least as many micro-batches as pipeline ranks: num_accumulation_steps is {num_microbatches}, "
             f"pipeline_parallel_size is {pp}. Raise train.global_batch_size or train.num_accumulation_steps "
             f"(global = micro x dp x accumulation)."
         )

@@ -61,19 +61,32 @@ def total_grad_norm(parameters, pp_group=None, skip=()) -> torch.Tensor:
     return sq.sqrt()
 
 
-def clip_grad_norm_(parameters, max_norm: float | None, pp_group=None, skip=()) -> torch.Tensor:
-    """Clip to ``max_norm`` (None or inf: only measure). Returns the total norm before clipping.
-    ``skip``: parameters left out of the norm (a tied copy whose twin is counted on another stage)."""
+def scale_grads_(parameters, factor: float) -> None:
+    """Multiply every gradient by ``factor`` in place (grouped so plain tensors and DTensors never mix)."""
+    groups: dict = {}
+    for p in _unique_grads(parameters):
+        key = id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else ("local", p.grad.device)
+        groups.setdefault(key, []).append(p.grad)
+    for grads in groups.values():
+        torch._foreach_mul_(grads, factor)
+
+
+def clip_grad_norm_(parameters, max_norm: float | None, pp_group=None, skip=(), grad_scale: float = 1.0) -> torch.Tensor:
+    """Unscale (by ``grad_scale``, the fp16 loss scale) and clip to ``max_norm`` in one pass.
+
+    Returns the total norm of the unscaled gradients before clipping; when it is not finite the
+    gradients are left untouched (the caller skips the step). ``skip``: parameters left out of the
+    norm (a tied copy whose twin is counted on another stage). None or inf ``max_norm``: no clipping.
+    """
     parameters = list(parameters)
-    total = total_grad_norm(parameters, pp_group, skip)
+    total = total_grad_norm(parameters, pp_group, skip) / grad_scale
+    if not torch.isfinite(total):
+        return total
+    factor = 1.0 / grad_scale
     if max_norm is not None and math.isfinite(max_norm):
-        grads_params = _unique_grads(parameters)
-        by_mesh: dict = {}
-        for p in grads_params:
-            key = id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else "local"
-            by_mesh.setdefault(key, []).append(p)
-        for ps in by_mesh.values():
-            torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total, foreach=None)
+        factor *= min(1.0, max_norm / (total.item() + 1e-6))
+    if factor != 1.0:
+        scale_grads_(parameters, factor)
     return total
 
 

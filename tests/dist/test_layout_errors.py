@@ -1,0 +1,162 @@
+"""A layout that cannot work fails at start-up, before any work, with the arithmetic and a fix.
+
+Almost every case calls the launcher's own preflight (``dufu.engine.trainer.preflight``) in-process for a
+given world size: the same checks ``dufu train --nproc N`` runs in the parent before it starts workers.
+One test runs the real command line.
+"""
+
+from __future__ import annotations
+
+import pytest
+from torch import nn
+
+from dufu.dist import ParallelDims
+from dufu.engine.trainer import preflight
+from dufu.errors import LayoutError
+from dufu.parallel.checks import validate_layout
+from dufu_testing import load_config
+
+DP, TP, PP = "train.dist.data_parallel_size", "train.dist.tensor_parallel_size", "train.dist.pipeline_parallel_size"
+SCHEDULE, VIRTUAL = "train.dist.pipeline_schedule", "train.dist.virtual_pipeline_size"
+ACCUM = "train.num_accumulation_steps"
+
+
+def check(tmp_path, world_size: int, *overrides: str) -> None:
+    cfg = load_config("gpt_debug", [*overrides, f"train.output_dir={tmp_path / 'run'}"])
+    preflight(cfg, world_size=world_size)
+
+
+# id: (world size, overrides, fragments the message must contain: the arithmetic, then the fix)
+BAD_LAYOUTS = {
+    "product-not-world-size": (
+        4, [f"{DP}=2", f"{TP}=2", f"{PP}=2"],
+        ["dp 2 x tp 2 x pp 2 = 8", "WORLD_SIZE is 4", "--nproc 8"],
+    ),
+    "cannot-infer": (
+        4, [f"{DP}=-1", f"{TP}=3"],
+        ["cannot infer train.dist.data_parallel_size", "world size 4 is not divisible", "tp 3 x pp 1 = 3"],
+    ),
+    "two-inferred": (4, [f"{DP}=-1", f"{TP}=-1"], ["only one size may be -1", "Set all but one"]),
+    "zero-size": (4, [f"{TP}=0"], ["train.dist.tensor_parallel_size = 0 is not valid", "positive integer"]),
+    "tp-heads": (
+        8, [f"{TP}=8", "model.hidden_size=64"],
+        ["model.num_attention_heads", "4 / tensor_parallel_size 8 = 0.5 is not whole",
+         "choose a tensor_parallel_size that divides 4"],
+    ),
+    "tp-ffn": (
+        2, [f"{TP}=2", "model.ffn_hidden_size=129"],
+        ["model.ffn_hidden_size", "129 / tensor_parallel_size 2 = 64.5"],
+    ),
+    "tp-vocab": (
+        2, [f"{TP}=2", "model.vocab_size=385"],
+        ["model.vocab_size", "385 / tensor_parallel_size 2 = 192.5", "model.vocab_size=386"],
+    ),
+    "pp-more-than-layers": (
+        4, [f"{PP}=4", f"{ACCUM}=4"],
+        ["pipeline_parallel_size 4 x virtual_pipeline_size 1 = 4 stages", "only 2 layers", "at most 2 stages"],
+    ),
+    "1f1b-too-few-microbatches": (
+        2, [f"{PP}=2", f"{SCHEDULE}=1f1b", f"{ACCUM}=1"],
+        ["1f1b needs at least as many micro-batches as pipeline ranks", "num_accumulation_steps is 1",
+         "pipeline_parallel_size is 2", "Raise train.global_batch_size or train.num_accumulation_steps"],
+    ),
+    "gpipe-too-few-microbatches": (2, [f"{PP}=2", f"{SCHEDULE}=gpipe"], ["num_accumulation_steps is 1"]),
+    "interleaved-without-virtual": (
+        2, [f"{PP}=2", f"{SCHEDULE}=interleaved_1f1b", f"{ACCUM}=2"],
+        ["interleaved_1f1b schedule runs several stages per rank", "virtual_pipeline_size to 2 or more"],
+    ),
+    "interleaved-microbatches-not-multiple": (
+        2, [f"{PP}=2", f"{SCHEDULE}=interleaved_1f1b", f"{VIRTUAL}=2", f"{ACCUM}=3", "model.num_layers=4"],
+        ["number of micro-batches (3) to be a multiple of pipeline_parallel_size 2"],
+    ),
+    "virtual-without-interleaved": (
+        2, [f"{PP}=2", f"{VIRTUAL}=2", f"{ACCUM}=2", "model.num_layers=4"],
+        ["virtual_pipeline_size=2 needs an interleaved schedule", "pipeline_schedule=interleaved_1f1b"],
+    ),
+    "sequence-parallel-without-tp": (
+        1, ["train.dist.sequence_parallel=True"],
+        ["sequence_parallel=True needs tensor parallelism", "tensor_parallel_size is 1"],
+    ),
+    "sequence-parallel-seq-length": (
+        2, [f"{TP}=2", "train.dist.sequence_parallel=True", "dataloader.train.seq_length=31"],
+        ["seq_length 31 / 2 is not whole"],
+    ),
+    "zero-without-dp": (
+        1, ["train.zero_optimization.enabled=True", "train.zero_optimization.stage=2"],
+        ["ZeRO stage 2 shards state across data-parallel ranks", "data_parallel_size is 1",
+         "zero_optimization.enabled=False"],
+    ),
+    "unknown-schedule": (
+        1, [f"{SCHEDULE}=zigzag"],
+        ["pipeline_schedule='zigzag' is not known", "gpipe, 1f1b, interleaved_1f1b, interleaved_zero_bubble"],
+    ),
+    "custom-stage-ids-length": (
+        2, [f"{PP}=2", f"{ACCUM}=2", "train.dist.custom_pipeline_stage_id=[0,0,1]"],
+        ["custom_pipeline_stage_id has 3 entries but the model has 2 layers", "one stage id per layer"],
+    ),
+    "custom-stage-ids-unused-stage": (
+        2, [f"{PP}=2", f"{ACCUM}=2", "train.dist.custom_pipeline_stage_id=[0,0]"],
+        ["must be non-decreasing and use every stage 0..1"],
+    ),
+    "pipeline-num-layers-mismatch": (
+        2, [f"{PP}=2", f"{ACCUM}=2", "train.dist.pipeline_num_layers=3"],
+        ["pipeline_num_layers=3 but the model has 2 layers"],
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_LAYOUTS))
+def test_bad_layout_fails_at_preflight(case, tmp_path):
+    world_size, overrides, fragments = BAD_LAYOUTS[case]
+    with pytest.raises(LayoutError) as info:
+        check(tmp_path, world_size, *overrides)
+    message = str(info.value)
+    for fragment in fragments:
+        assert fragment in message, f"{case}: {fragment!r} not in {message!r}"
+    assert not (tmp_path / "run").exists(), "nothing may be written before the layout is checked"
+
+
+@pytest.mark.parametrize(
+    "world_size, overrides",
+    [
+        (4, [f"{DP}=-1", f"{TP}=2"]),  # dp inferred: 4 / 2 = 2
+        (4, [f"{TP}=-1", f"{PP}=2", f"{ACCUM}=2"]),  # tp inferred: 4 / 2 = 2
+        (2, [f"{PP}=2", f"{ACCUM}=2"]),
+        (2, [f"{PP}=2", f"{SCHEDULE}=interleaved_1f1b", f"{VIRTUAL}=2", f"{ACCUM}=2", "model.num_layers=4"]),
+        (2, [f"{DP}=2", "train.zero_optimization.enabled=True"]),
+        (2, [f"{TP}=2", "train.dist.sequence_parallel=True"]),
+    ],
+)
+def test_good_layouts_pass_preflight(world_size, overrides, tmp_path):
+    check(tmp_path, world_size, *overrides)
+
+
+def test_minus_one_is_inferred():
+    dims = ParallelDims(data_parallel_size=-1, tensor_parallel_size=2, pipeline_parallel_size=2, world_size=8)
+    assert (dims.data_parallel_size, dims.describe()) == (2, "dp 2 x tp 2 x pp 2 = 8 processes")
+
+
+def test_tp_not_dividing_hidden_size():
+    """The hidden-size check, on a model without attention heads (with heads it follows from them)."""
+
+    class Mixer(nn.Module):
+        hidden_size = 66
+
+        def __init__(self):
+            super().__init__()
+            self.proj = nn.Linear(66, 66)
+
+    dims = ParallelDims(tensor_parallel_size=4, world_size=4)
+    with pytest.raises(LayoutError, match=r"model.hidden_size across ranks, but 66 / tensor_parallel_size 4 = 16.5"):
+        validate_layout(dims, Mixer(), {}, {}, seq_length=32, num_microbatches=1)
+
+
+def test_cli_reports_a_bad_layout_in_one_paragraph(run_cli):
+    proc = run_cli("train", "gpt_debug", "--nproc", "2", "train.dist.tensor_parallel_size=3")
+    assert proc.returncode == 2, proc.stderr
+    err = proc.stderr.strip()
+    assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
+    assert err.startswith("error: ") and "\n\n" not in err and err.count("error:") == 1, err
+    flat = " ".join(err.split())
+    assert "dp 1 x tp 3 x pp 1 = 3, but WORLD_SIZE is 2" in flat
+    assert "--nproc 3" in flat
