@@ -17,6 +17,8 @@ commands:
                       --nproc N starts N processes through torchrun (multi-node: --nnodes, --node-rank,
                       --master-addr, --master-port)
   configs             list the packaged recipes
+  convert CKPT (--to-hf DIR | --to-torch FILE.pt)
+                      a sharded checkpoint (or a run's output_dir) as a Hugging Face directory or one file
   preprocess ...      tokenize text/jsonl into a memory-mapped token file (dufu preprocess -h)
 """
 
@@ -120,7 +122,24 @@ def cmd_preprocess(argv: list[str]) -> int:
     return preprocess_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "configs": cmd_configs, "preprocess": cmd_preprocess}
+def cmd_convert(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dufu convert", description="Convert a dufu checkpoint, in one process.")
+    parser.add_argument("checkpoint", help="a checkpoint directory (.../checkpoints/step_N) or a run's output_dir")
+    group = parser.add_mutually_exclusive_group(required=True)
+    group.add_argument("--to-hf", metavar="DIR", help="write config.json + model.safetensors for transformers")
+    group.add_argument("--to-torch", metavar="FILE", help="write one consolidated state dict (torch.save)")
+    args = parser.parse_args(argv)
+    from dufu.engine import convert
+
+    if args.to_hf:
+        out = convert.to_hf(args.checkpoint, args.to_hf)
+    else:
+        out = convert.to_torch(args.checkpoint, args.to_torch)
+    print(f"wrote {out}")
+    return 0
+
+
+COMMANDS = {"train": cmd_train, "configs": cmd_configs, "preprocess": cmd_preprocess, "convert": cmd_convert}
 
 
 def main(argv: list[str] | None = None) -> int:

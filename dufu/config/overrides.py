@@ -186,6 +186,9 @@ def _coerce(key: str, current: Any, value: Any, raw: str, item: str) -> Any:
     """Check `value` against the type of `current`; return the value to store."""
     if current is None:
         return value
+    if value is None and isinstance(current, (int, float, list, tuple)) and not isinstance(current, bool):
+        # Numbers and lists are often optional (train.stop_at_iter, train.global_batch_size=None to derive it).
+        return None
 
     def wrong(expected: str, hint: str) -> ConfigError:
         return ConfigError(

@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import re
 import shutil
 import warnings
@@ -27,9 +28,56 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from dufu.errors import CheckpointError
+
+# --- loading without unpickling arbitrary objects -------------------------------------------------
+# DCP stores tensors with torch.save (read back with weights_only=True), but its .metadata file is a
+# plain pickle and non-tensor items are read with weights_only=False. dufu reads both through
+# restricted loaders: only DCP's own metadata classes and plain data may appear.
+_METADATA_GLOBALS = {
+    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
+    ("torch", "Size"), ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+}
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
+                     "torch.distributed.checkpoint._extension")
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        import torch as _torch
+
+        if module == "torch" and isinstance(getattr(_torch, name, None), _torch.dtype):
+            return getattr(_torch, name)
+        if (module, name) in _METADATA_GLOBALS or module.startswith(_METADATA_MODULES):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
+
+
+class SafeFileSystemReader(FileSystemReader):
+    def read_metadata(self, *args, **kwargs):
+        path = self._get_metadata_path(kwargs.get("rank"))
+        with self.fs.create_stream(path, "rb") as f:
+            metadata = _MetadataUnpickler(f).load()
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    def load_bytes(self, read_item, value):
+        obj = torch.load(value, weights_only=True)
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
+        else:
+            self.state_dict[read_item.dest_index.fqn] = obj
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -80,10 +128,12 @@ def _fsync_dir(path: Path) -> None:
 
 
 class Checkpointer:
-    def __init__(self, root: str | Path, max_to_keep: Optional[int] = None, rank: int = 0):
+    def __init__(self, root: str | Path, max_to_keep: Optional[int] = None, rank: int = 0, async_save: bool = False):
         self.root = Path(root)
         self.max_to_keep = max_to_keep
         self.rank = rank
+        self.async_save = async_save
+        self._pending = None  # (future, tmp, final, extra) of an asynchronous save not yet committed
 
     # ---------------------------------------------------------------- listing
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
@@ -101,8 +151,14 @@ class Checkpointer:
         return ckpts[-1][1] if ckpts else None
 
     # ------------------------------------------------------------------- save
-    def save(self, step: int, model, optimizer, trainer_state: dict, extra_meta: Optional[dict] = None) -> Path:
-        """Save ``model`` / ``optimizer`` (one each, or lists of pipeline-stage parts and their optimizers)."""
+    def save(self, step: int, model, optimizer, trainer_state: dict, extra_meta: Optional[dict] = None,
+             config_text: Optional[str] = None) -> Path:
+        """Save ``model`` / ``optimizer`` (one each, or lists of pipeline-stage parts and their optimizers).
+
+        With ``async_save`` the shards are staged in memory and written in the background; the checkpoint
+        is committed (manifest + rename) by the next ``save`` or by ``wait``. Until then it does not exist
+        as far as ``--resume`` is concerned."""
+        self.wait()
         final = self.root / f"step_{step:07d}"
         tmp = self.root / f".step_{step:07d}.partial"
         if self.rank == 0:
@@ -111,17 +167,40 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd, _ = _state_dicts(_as_list(model), _as_list(optimizer))
+        torch.save(trainer_state, tmp / f"rank_{self.rank:05d}.pt")
+        if config_text is not None and self.rank == 0:
+            (tmp / "config.yaml").write_text(config_text)  # the checkpoint is self-describing
+        meta = {"step": step, **(extra_meta or {})}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            if self.async_save:
+                future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+                self._pending = (future, tmp, final, meta)
+                return final
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
-        torch.save(trainer_state, tmp / f"rank_{self.rank:05d}.pt")
-        _barrier()
+        self._commit(tmp, final, meta)
+        return final
+
+    def wait(self) -> Optional[Path]:
+        """Finish and commit a pending asynchronous save (a no-op if there is none)."""
+        if self._pending is None:
+            return None
+        future, tmp, final, meta = self._pending
+        self._pending = None
+        future.result()
+        self._commit(tmp, final, meta)
+        return final
+
+    def _commit(self, tmp: Path, final: Path, meta: dict) -> None:
+        from dufu.engine import faults
+
+        _barrier()  # every rank's shards are on disk
+        faults.in_save(meta["step"])
         if self.rank == 0:
             files = sorted(p for p in tmp.iterdir() if p.is_file())
             manifest = {
-                "step": step,
+                **meta,
                 "world_size": dist.get_world_size() if dist.is_initialized() else 1,
-                **(extra_meta or {}),
                 "files": {p.name: {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in files},
             }
             with open(tmp / MANIFEST, "w") as f:
@@ -135,7 +214,6 @@ class Checkpointer:
             _fsync_dir(self.root)
             self._prune()
         _barrier()
-        return final
 
     def _prune(self) -> None:
         if not self.max_to_keep or self.max_to_keep < 1:
@@ -176,6 +254,23 @@ class Checkpointer:
                 )
         return manifest
 
+    def consolidated_model_state(self, path: Path) -> dict:
+        """The full (unsharded) model state dict of a checkpoint, read in this one process, whatever the
+        layout and number of processes that wrote it."""
+        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+        class _Planner(_EmptyStateDictLoadPlanner):
+            load_bytes = SafeLoadPlanner.load_bytes
+
+        self.verify(path)
+        state: dict = {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore")
+            _load_state_dict(state, storage_reader=SafeFileSystemReader(str(path)), planner=_Planner(keys={"model"}),
+                             no_dist=True)
+        return state["model"]
+
     def load(self, path: Path, model, optimizer) -> dict:
         """Load model and optimizer in place (resharding to the current layout); return this rank's trainer state."""
         path = Path(path)
@@ -186,7 +281,7 @@ class Checkpointer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
-                dcp.load(state, checkpoint_id=str(path))
+                dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
             except Exception as e:  # DCP raises CheckpointException with per-rank details
                 raise CheckpointError(
                     f"could not load checkpoint {path}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}. "

@@ -29,6 +29,7 @@ from dufu.engine import env
 from dufu.engine.checkpoint import Checkpointer
 from dufu.engine.flops import count_matmul_params, device_peak_flops, flops_per_token
 from dufu.engine.generate import generate
+from dufu.engine import faults
 from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
 from dufu.engine.validate import resolve_batch_sizes, validate_config
@@ -146,7 +147,8 @@ class Trainer:
         )
         self.device = env.pick_device(self.local_rank) if t.get("device", "auto") == "auto" else torch.device(t.device)
         self.output_dir = Path(t.output_dir)
-        self.checkpointer = Checkpointer(self.output_dir / "checkpoints", t.checkpointer.max_to_keep, self.rank)
+        self.checkpointer = Checkpointer(self.output_dir / "checkpoints", t.checkpointer.max_to_keep, self.rank,
+                                         async_save=t.checkpointer.get("async_save", False))
         self.resume_from = self._find_resume_checkpoint(resume)
         self.amp_dtype = AMP_DTYPES[t.amp.dtype] if t.amp.enabled else None
 
@@ -159,7 +161,7 @@ class Trainer:
         stage_ids = validate_layout(self.dims, model, t.dist, t.zero_optimization, self.seq_length,
                                     self.num_accumulation_steps)
 
-        init_distributed(self.device)
+        init_distributed(self.device, timeout_minutes=t.dist.get("timeout_minutes", 10.0))
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         coord = self.mesh.get_coordinate() if self.mesh is not None else [0, 0, 0]
         self.pp_rank, self.dp_rank, self.tp_rank = coord
@@ -189,6 +191,7 @@ class Trainer:
         )
         self.scaler = self._build_grad_scaler()
         self.step = 0
+        self.skipped_steps = 0  # updates dropped for a non-finite gradient under nan_policy="skip"
         self.tokens_per_step = self.global_batch_size * self.seq_length
         self.peak_flops, self.peak_source = device_peak_flops(
             self.device, self.amp_dtype or torch.float32, t.get("peak_tflops")
@@ -315,6 +318,26 @@ class Trainer:
             total += local_scalar(loss)
         return total
 
+    def _non_finite_message(self, what: str) -> str:
+        """Name the step and the first parameters whose gradients are not finite, gathered from all ranks."""
+        bad = []
+        for part in self.model_parts:
+            for name, p in part.named_parameters():
+                if p.grad is not None:
+                    g = p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad
+                    if not bool(torch.isfinite(g).all()):
+                        bad.append(name)
+        if self.world_size > 1:
+            gathered = [None] * self.world_size
+            dist.all_gather_object(gathered, bad)
+            bad = sorted({n for names in gathered for n in names})
+        named = ", ".join(bad[:5]) + (f" and {len(bad) - 5} more" if len(bad) > 5 else "")
+        return (
+            f"non-finite values at step {self.step + 1}: {what}"
+            f"{'; gradients of ' + named + ' contain inf/NaN' if bad else ''}. Lower optim.lr, check the data, "
+            "use train.amp.dtype=bf16 instead of fp16, or set train.nan_policy=skip to drop such updates."
+        )
+
     def reduce_loss(self, local: torch.Tensor) -> float:
         """Mean over the global batch: average over data-parallel ranks of the last pipeline stage."""
         if self.world_size == 1:
@@ -329,6 +352,13 @@ class Trainer:
         for part in self.model_parts:
             part.train()
         local_loss = self.forward_backward(micro_batches)
+        if faults.should_fire("nan", self.step + 1):
+            for part in self.model_parts:
+                for p in part.parameters():
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+                        break
+            local_loss = local_loss * float("nan")
         sync_tied_gradients(self.tied_params, self.tied_group)
         self.last_lr = self.optimizers[0].param_groups[0]["lr"]  # the rate this step is taken with
         max_norm = self.cfg.train.get("clip_grad_norm") or None
@@ -338,9 +368,13 @@ class Trainer:
                                     grad_scale=self.scaler.scale if self.scaler else 1.0)
         overflow = not torch.isfinite(grad_norm)  # the same verdict on every rank: the norm is global
         if self.scaler:
-            self.scaler.update(overflow)
+            self.scaler.update(overflow)  # fp16 overflow is routine: skip the step, the scale backs off
+        elif overflow:
+            if self.cfg.train.get("nan_policy", "stop") == "stop":
+                raise DufuError(self._non_finite_message(f"the gradient norm is {grad_norm.item()}"))
+            self.skipped_steps += 1
         for opt in self.optimizers:
-            if not (overflow and self.scaler):  # fp16 overflow: skip this step, the scale backs off
+            if not overflow:
                 opt.step()
             opt.zero_grad(set_to_none=True)
         for sched in self.schedulers:
@@ -401,6 +435,7 @@ class Trainer:
         return self.checkpointer.save(
             self.step, self.model_parts, self.optimizers, self.trainer_state(),
             extra_meta={"layout": self.dims.describe(), "global_batch_size": self.global_batch_size},
+            config_text=LazyConfig.to_yaml(self.cfg) if self.is_main else None,
         )
 
     def load_checkpoint(self, path: Path) -> None:
@@ -446,6 +481,7 @@ class Trainer:
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             LazyConfig.save(self.cfg, self.output_dir / "config.yaml")
+            self.tokenizer.save(str(self.output_dir / "tokenizer.json"))
             self.log(self.describe())
         writer = MetricsWriter(self.output_dir, tensorboard=t.get("tensorboard", True),
                                resume_step=self.step if self.resume_from else None) if self.is_main else None
@@ -457,15 +493,17 @@ class Trainer:
         bar = ProgressBar(t.train_iter, initial=self.step, enabled=self.is_main)
         start_step, t_start, t_last = self.step, time.perf_counter(), time.perf_counter()
         window_steps, mfus = 0, []
+        stop_reason = None
         while self.step < t.train_iter:
+            faults.at_step_start(self.step + 1)
             loss, grad_norm = self.train_step(self.sampler.next_step())
             self.step += 1
             window_steps += 1
-            if not math.isfinite(loss):
+            if not math.isfinite(loss) and t.get("nan_policy", "stop") == "stop":
                 bar.close()
                 raise DufuError(
                     f"the loss became {loss} at step {self.step}. Lower optim.lr, enable train.clip_grad_norm, "
-                    "or use train.amp.dtype=bf16 instead of fp16."
+                    "use train.amp.dtype=bf16 instead of fp16, or set train.nan_policy=skip."
                 )
             if self.step % t.log_period == 0 or self.step == t.train_iter:
                 now = time.perf_counter()
@@ -478,6 +516,8 @@ class Trainer:
                     "step_time_s": (now - t_last) / window_steps,
                     "consumed_samples": self.sampler.state_dict()["consumed_samples"],
                 }
+                if self.skipped_steps:
+                    record["skipped_steps"] = self.skipped_steps
                 if self.scaler is not None:
                     record["loss_scale"] = self.scaler.scale
                     record["skipped_steps"] = self.scaler.skipped_steps
@@ -490,11 +530,18 @@ class Trainer:
                 ev = self.evaluate()
                 writer and writer.write({"step": self.step, **ev})
                 bar.write(f"step {self.step}: validation loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.1f}")
+            stop_reason = self._stop_reason(t_start)
             period = t.checkpointer.period
-            if (period and self.step % period == 0) or self.step == t.train_iter:
+            if (period and self.step % period == 0) or self.step == t.train_iter or stop_reason:
                 path = self.save_checkpoint()
-                bar.write(f"step {self.step}: saved checkpoint {path}")
+                bar.write(f"step {self.step}: {'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}")
+            if stop_reason:
+                break
+        self.checkpointer.wait()
         bar.close()
+        if stop_reason:
+            self.log(f"stopped at step {self.step} of {t.train_iter}: {stop_reason}. The checkpoint is complete; "
+                     f"continue with: dufu train {self.output_dir / 'config.yaml'} --resume")
         elapsed = time.perf_counter() - t_start
         summary = {"steps": self.step - start_step, "seconds": elapsed, "final_step": self.step}
         samples = self.sample_text()  # every rank takes part (tensor-parallel forward)
@@ -515,6 +562,22 @@ class Trainer:
                             title=f"{self.model_name} - {self.dims.describe()}")
             self.log(self.summary_text(summary))
         return summary
+
+    def _stop_reason(self, t_start: float) -> Optional[str]:
+        """train.stop_at_iter / stop_after_minutes; the time verdict is rank 0's, shared with all ranks."""
+        t = self.cfg.train
+        if self.step >= t.train_iter:
+            return None
+        if t.get("stop_at_iter") and self.step == t.stop_at_iter:  # reached in this run (a resume goes past it)
+            return f"train.stop_at_iter={t.stop_at_iter}"
+        minutes = t.get("stop_after_minutes")
+        if minutes:
+            over = torch.tensor(float((time.perf_counter() - t_start) / 60.0 >= minutes))
+            if self.world_size > 1:
+                dist.broadcast(over, src=0)
+            if over.item():
+                return f"train.stop_after_minutes={minutes}"
+        return None
 
     # ------------------------------------------------------------ people
     def describe(self) -> str:

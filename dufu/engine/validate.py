@@ -61,6 +61,15 @@ def validate_config(cfg) -> None:
             f"train.scheduler.warmup_iter = {warmup} is longer than the run (train.train_iter = {t.train_iter}). "
             f"Lower it, e.g. train.scheduler.warmup_iter={t.train_iter // 10}, or raise train.train_iter."
         )
+    _positive_int(t.get("stop_at_iter"), "train.stop_at_iter", allow_none=True)
+    minutes = t.get("stop_after_minutes")
+    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0):
+        raise ConfigError(f"train.stop_after_minutes = {minutes!r} must be a positive number of minutes or None.")
+    if t.get("nan_policy", "stop") not in ("stop", "skip"):
+        raise ConfigError(
+            f"train.nan_policy = {t.nan_policy!r} is not known; use \"stop\" (stop and name the tensor) or "
+            "\"skip\" (skip the update and count it)."
+        )
     if t.amp.dtype not in AMP_DTYPES:
         raise ConfigError(f"train.amp.dtype = {t.amp.dtype!r} is not supported; use one of {AMP_DTYPES} (e.g. train.amp.dtype=bf16).")
     if t.zero_optimization.stage not in (1, 2, 3):

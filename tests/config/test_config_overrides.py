@@ -123,6 +123,13 @@ def test_str_keys_reject_numbers_and_suggest_quoting():
         apply("train.output_dir=none")
 
 
+def test_numbers_and_lists_can_be_reset_to_none():
+    cfg = apply("train.lr=null")
+    assert cfg.train.lr is None
+    cfg = apply("train.milestones=None")
+    assert cfg.train.milestones is None
+
+
 def test_list_keys_need_lists():
     with pytest.raises(ConfigError, match=r"'train\.milestones' expects a list.*\[1, 2\]"):
         apply("train.milestones=5")

@@ -11,6 +11,13 @@ train = dict(
     global_batch_size=None,
     num_accumulation_steps=None,
     seed=1234,
+    # End the run early, after writing a checkpoint, as if it had been interrupted; the LR schedule and
+    # everything else still follow train_iter (Megatron's exit interval / exit duration). None: off.
+    stop_at_iter=None,
+    stop_after_minutes=None,
+    # A non-finite loss or gradient: "stop" (name the step and the first offending tensor) or
+    # "skip" (drop the update, count it, log it).
+    nan_policy="stop",
     log_period=10,
     clip_grad_norm=1.0,
     # max_iter and optimizer are filled in by the trainer.
@@ -18,7 +25,8 @@ train = dict(
     amp=dict(enabled=False, dtype="bf16"),  # "bf16" | "fp16" (fp16 uses dynamic loss scaling)
     activation_checkpoint=dict(enabled=False),
     compile=dict(enabled=False),
-    checkpointer=dict(period=1000, max_to_keep=3),
+    # async_save: write checkpoints in the background while training goes on (torch DCP async_save).
+    checkpointer=dict(period=1000, max_to_keep=3, async_save=False),
     evaluation=dict(enabled=True, eval_period=500, eval_iter=20, eval_batch_size=None),
     generation=dict(
         enabled=False,
@@ -37,6 +45,8 @@ train = dict(
         custom_pipeline_stage_id=None,
         pipeline_schedule="1f1b",
         virtual_pipeline_size=1,
+        # A collective that waits longer than this (a dead or hung rank) stops the job with an error.
+        timeout_minutes=10.0,
     ),
     zero_optimization=dict(enabled=False, stage=1),
     # Peak FLOP/s of one device for MFU, in TFLOP/s; None = data sheet (known GPUs) or a measured matmul (CPU).
