@@ -271,6 +271,31 @@ class Checkpointer:
                              no_dist=True)
         return state["model"]
 
+    @staticmethod
+    def _tied_renames(path: Path, parts, state: dict) -> list[tuple[str, str, str]]:
+        """(group, requested key, key in checkpoint) for tied parameters the checkpoint stores under the other
+        name: e.g. a pipeline stage holding the output head, resuming a checkpoint written without pipeline
+        parallelism, where the optimizer state of the shared embedding/head tensor is keyed by ``wte.weight``."""
+        aliases: dict[str, str] = {}
+        for part in parts:
+            for a, b in getattr(part, "tied_parameter_names", {}).items():
+                aliases[a], aliases[b] = b, a
+        if not aliases:
+            return []
+        available = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        renames = []
+        for group in ("model", "optim"):
+            for key in list(state[group]):
+                if f"{group}.{key}" in available:
+                    continue
+                for name, twin in aliases.items():
+                    if name in key:
+                        alt = key.replace(name, twin)
+                        if f"{group}.{alt}" in available and alt not in state[group]:
+                            renames.append((group, key, alt))
+                            break
+        return renames
+
     def load(self, path: Path, model, optimizer) -> dict:
         """Load model and optimizer in place (resharding to the current layout); return this rank's trainer state."""
         path = Path(path)
@@ -278,6 +303,9 @@ class Checkpointer:
         parts, optims = _as_list(model), _as_list(optimizer)
         model_sd, optim_sd, keys = _state_dicts(parts, optims)
         state = {"model": model_sd, "optim": optim_sd}
+        renames = self._tied_renames(path, parts, state)
+        for group, old, new in renames:  # load a tied tensor under the name the checkpoint has
+            state[group][new] = state[group].pop(old)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
@@ -287,6 +315,8 @@ class Checkpointer:
                     f"could not load checkpoint {path}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}. "
                     "The checkpoint may belong to a different model; check model.* in the config."
                 ) from e
+        for group, old, new in renames:
+            state[group][old] = state[group].pop(new)
         for part, opt, (mkeys, okeys) in zip(parts, optims, keys):
             set_state_dict(
                 part, opt,

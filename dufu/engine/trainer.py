@@ -421,7 +421,9 @@ class Trainer:
     def trainer_state(self) -> dict:
         state = {
             "step": self.step,
-            "scheduler": self.schedulers[0].state_dict(),
+            # Only the step count: the schedule is a function of it, and per-group state would tie the
+            # checkpoint to this layout's parameter groups.
+            "scheduler": {"last_epoch": self.schedulers[0].last_epoch},
             "sampler": self.sampler.state_dict(),
             "rng_cpu": torch.get_rng_state(),
         }
@@ -442,7 +444,10 @@ class Trainer:
         state = self.checkpointer.load(path, self.model_parts, self.optimizers)
         self.step = int(state["step"])
         for sched in self.schedulers:
-            sched.load_state_dict(state["scheduler"])
+            sched.last_epoch = int(state["scheduler"]["last_epoch"])
+            for group, base_lr, factor in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                group["lr"] = base_lr * factor(sched.last_epoch)
+            sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
         self.sampler.load_state_dict(state["sampler"])
         torch.set_rng_state(state["rng_cpu"])
         if self.device.type == "cuda" and "rng_cuda" in state:

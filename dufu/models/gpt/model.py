@@ -50,6 +50,8 @@ class GPTModel(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.tie_word_embeddings = tie_word_embeddings
+        # Names that hold one shared tensor: a checkpoint that has only one of them serves both.
+        self.tied_parameter_names = {"lm_head.weight": "wte.weight"} if tie_word_embeddings else {}
         # False: forward returns a plain tensor (logits, or hidden states on an inner pipeline stage),
         # as a pipeline stage must; like transformers' ``return_dict``.
         self.return_dict = True
