@@ -160,7 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return COMMANDS[command](rest) or 0
     except DufuError as err:
-        if os.environ.get("RANK", "0") == "0":  # in a multi-process job, one copy of the message
+        from dufu.errors import DistributedFailure
+
+        # In a multi-process job, one copy of a config error; but every rank's own view of a failure.
+        if os.environ.get("RANK", "0") == "0" or isinstance(err, DistributedFailure):
             _print_error(err)
         return 2
     except KeyboardInterrupt:

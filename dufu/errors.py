@@ -25,3 +25,7 @@ class CheckpointError(DufuError):
 
 class LayoutError(DufuError):
     """A parallel layout that cannot work (sizes, divisibility, world size)."""
+
+
+class DistributedFailure(DufuError):
+    """A collective failed or timed out: another rank died or hangs. Reported by every rank."""

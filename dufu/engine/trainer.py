@@ -33,7 +33,7 @@ from dufu.engine import faults
 from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
 from dufu.engine.validate import resolve_batch_sizes, validate_config
-from dufu.errors import ConfigError, DufuError, LayoutError
+from dufu.errors import ConfigError, DistributedFailure, DufuError, LayoutError
 from dufu.models.gpt import causal_lm_loss
 from dufu.parallel import parallelize
 from dufu.parallel.checks import validate_layout
@@ -163,6 +163,8 @@ class Trainer:
 
         init_distributed(self.device, timeout_minutes=t.dist.get("timeout_minutes", 10.0))
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        # A gloo group used only to find unresponsive ranks when a collective fails (works beside NCCL too).
+        self.health_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         coord = self.mesh.get_coordinate() if self.mesh is not None else [0, 0, 0]
         self.pp_rank, self.dp_rank, self.tp_rank = coord
         self.flops_per_token = flops_per_token(
@@ -477,6 +479,45 @@ class Trainer:
 
     # ------------------------------------------------------------ the loop
     def train(self) -> dict:
+        """Run the loop; in a multi-process job a failed or timed-out collective becomes an error that names
+        this rank and step (another rank died or hangs) instead of a hang or a wall of traceback."""
+        if self.world_size == 1:
+            return self._train()
+        try:
+            return self._train()
+        except DufuError:
+            raise
+        except (RuntimeError, dist.DistError) as e:
+            first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
+            timeout = self.cfg.train.dist.get("timeout_minutes", 10.0)
+            raise DistributedFailure(
+                f"rank {self.rank} stopped at step {self.step + 1}: a collective operation with the other ranks "
+                f"failed or waited longer than train.dist.timeout_minutes={timeout}. {self._unresponsive_ranks()}"
+                f"Cause: {first[:300]}"
+            ) from e
+
+    def _unresponsive_ranks(self) -> str:
+        """Which ranks no longer respond: every surviving rank meets at a monitored barrier on a separate gloo
+        group, and rank 0 learns who did not arrive."""
+        import datetime
+
+        if self.health_group is None:
+            return ""
+        try:
+            seconds = max(5.0, min(30.0, 60.0 * self.cfg.train.dist.get("timeout_minutes", 10.0)))
+            dist.monitored_barrier(group=self.health_group, timeout=datetime.timedelta(seconds=seconds),
+                                   wait_all_ranks=True)
+        except RuntimeError as e:
+            msg = " ".join(str(e).split())
+            import re
+
+            found = re.search(r"[Rr]anks? ([\d, ]+) failed to pass monitoredBarrier", msg)
+            if found:
+                return f"Rank(s) {found.group(1).strip()} did not respond: they died or hang. "
+            return "Another rank died or hangs (see its own message above). "
+        return "All ranks still respond; see the other ranks' messages above. "
+
+    def _train(self) -> dict:
         t = self.cfg.train
         if self.world_size > 1:
             dist.barrier()  # every rank has checked output_dir before rank 0 writes to it
