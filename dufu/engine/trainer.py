@@ -44,9 +44,10 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def to_model_inputs(batch) -> dict:
-    """A (B, T+1) token tensor becomes next-token inputs and labels; dict batches pass through."""
+    """A (B, T+1) token tensor becomes next-token inputs and already-shifted labels (``shift_labels``, as
+    transformers names them); dict batches (e.g. masked-LM, classification, images) pass through."""
     if isinstance(batch, torch.Tensor):
-        return {"input_ids": batch[:, :-1], "labels": batch[:, 1:]}
+        return {"input_ids": batch[:, :-1], "shift_labels": batch[:, 1:]}
     return dict(batch)
 
 
@@ -172,6 +173,8 @@ class Trainer:
             self.seq_length,
         )
         self.model_name = type(model).__name__
+        self.main_input_name = getattr(model, "main_input_name", "input_ids")
+        self._stage_loss_fn = getattr(type(model), "pipeline_loss", causal_lm_loss)
         self.num_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         self.model_parts, self.schedule, self.stage_flags = self._build_parts(model, stage_ids)
         self.model = self.model_parts[0]
@@ -270,8 +273,8 @@ class Trainer:
         """Dynamic loss scaling for fp16 only; bf16 has fp32's exponent range and needs none."""
         return DynamicLossScaler() if self.amp_dtype == torch.float16 else None
 
-    def _pipeline_loss(self, logits, labels):
-        loss = causal_lm_loss(logits, labels)
+    def _pipeline_loss(self, output, target):
+        loss = self._stage_loss_fn(output, target)
         # The schedule runs backward itself, so fp16 loss scaling happens here (undone for logging).
         return loss * self.scaler.scale if self.scaler is not None else loss
 
@@ -287,6 +290,18 @@ class Trainer:
             ctx.enter_context(loss_parallel())
         return ctx
 
+    def _pipeline_io(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first stage's input and the last stage's target. Pipeline stages pass one tensor between them,
+        so other model inputs (e.g. an attention mask) are not supported under pipeline parallelism."""
+        extra = set(inputs) - {self.main_input_name, "labels", "shift_labels"}
+        if extra:
+            raise LayoutError(
+                f"pipeline parallelism passes only {self.main_input_name!r} between stages, but the batch also has "
+                f"{sorted(extra)}. Use data/tensor parallelism for this data, or data without them."
+            )
+        target = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"]
+        return inputs[self.main_input_name], target
+
     def _set_gradient_sync(self, enabled: bool) -> None:
         for part in self.model_parts:
             if hasattr(part, "set_requires_gradient_sync"):
@@ -300,12 +315,13 @@ class Trainer:
         n = len(micro_batches)
         if self.schedule is not None:
             inputs = self._batch(self.train_ds, [i for mb in micro_batches for i in mb])
+            x, target = self._pipeline_io(inputs)
             losses = []
             with self.autocast():
                 if self.stage_flags["first"]:
-                    self.schedule.step(inputs["input_ids"], target=inputs["labels"], losses=losses)
+                    self.schedule.step(x, target=target, losses=losses)
                 else:
-                    self.schedule.step(target=inputs["labels"], losses=losses)
+                    self.schedule.step(target=target, losses=losses)
             if not self.stage_flags["last"]:
                 return torch.zeros((), device=self.device)
             scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -404,10 +420,11 @@ class Trainer:
             with self.autocast():
                 if self.schedule is not None:
                     losses = []
+                    x, target = self._pipeline_io(inputs)
                     if self.stage_flags["first"]:
-                        self.schedule.eval(inputs["input_ids"], target=inputs["labels"], losses=losses)
+                        self.schedule.eval(x, target=target, losses=losses)
                     else:
-                        self.schedule.eval(target=inputs["labels"], losses=losses)
+                        self.schedule.eval(target=target, losses=losses)
                     if self.stage_flags["last"]:
                         total += torch.stack([local_scalar(l) for l in losses]).mean()
                 else:

@@ -1,22 +1,62 @@
-"""Multi-head causal self-attention on ``F.scaled_dot_product_attention``.
+"""Multi-head attention on ``F.scaled_dot_product_attention``: one module for the families dufu ships.
 
 Q, K and V are separate column-parallel projections (not one fused QKV
 matrix) so that splitting their output features across tensor-parallel ranks
 gives each rank whole heads. The number of heads is therefore never stored in
 the forward pass: it is read from the (possibly sharded) tensor as
-``local_features // head_dim``.
+``local_features // head_dim``. Grouped-query attention (Ainslie et al. 2023)
+keeps the ratio of query to key/value heads on every rank, so it shards the same
+way (``num_key_value_heads`` must be divisible by the tensor-parallel size).
+
+Options cover the families: causal or bidirectional, a padding mask, rotary
+position embeddings (LLaMA), an additive position bias (T5, Swin), cross-attention
+(T5 decoder), a custom softmax scale (T5 uses 1), and a key/value cache for
+generation.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from dufu.layers.linear import Linear
+from dufu.layers.rotary import apply_rotary
 
 
-class CausalSelfAttention(nn.Module):
+class KVCache:
+    """Keys and values of earlier positions, per attention module, for incremental decoding."""
+
+    def __init__(self):
+        self._store: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, owner: nn.Module, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        key = id(owner)
+        if key in self._store:
+            pk, pv = self._store[key]
+            k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)  # (B, nkv, T_past + T, hs)
+        self._store[key] = (k, v)
+        return k, v
+
+    def get(self, owner: nn.Module) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        return self._store.get(id(owner))
+
+    def put(self, owner: nn.Module, k: torch.Tensor, v: torch.Tensor) -> None:
+        self._store[id(owner)] = (k, v)
+
+    def __len__(self) -> int:
+        return len(self._store)
+
+
+def padding_mask_to_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """(B, T_k) with 1 = attend, 0 = padding  ->  additive (B, 1, 1, T_k) bias."""
+    keep = attention_mask.to(torch.bool)[:, None, None, :]
+    return torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+class Attention(nn.Module):
     # Under sequence parallelism, gather the sequence once here, not in each of q/k/v.
     tensor_parallel_input = "replicate"
 
@@ -24,30 +64,98 @@ class CausalSelfAttention(nn.Module):
         self,
         hidden_size: int,
         num_heads: int,
-        bias: bool = True,
+        num_key_value_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        qkv_bias: bool = True,
+        out_bias: bool = True,
+        causal: bool = True,
         attention_dropout: float = 0.0,
         dropout: float = 0.0,
+        scale: Optional[float] = None,
+        kv_input_size: Optional[int] = None,
     ):
         super().__init__()
-        if hidden_size % num_heads != 0:
-            raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+        num_key_value_heads = num_key_value_heads or num_heads
+        if head_dim is None:
+            if hidden_size % num_heads != 0:
+                raise ValueError(f"hidden_size {hidden_size} is not divisible by num_heads {num_heads}")
+            head_dim = hidden_size // num_heads
+        if num_heads % num_key_value_heads != 0:
+            raise ValueError(f"num_heads {num_heads} is not a multiple of num_key_value_heads {num_key_value_heads}")
         self.num_heads = num_heads
-        self.head_dim = hidden_size // num_heads
-        self.q_proj = Linear(hidden_size, hidden_size, bias=bias, parallel="col")
-        self.k_proj = Linear(hidden_size, hidden_size, bias=bias, parallel="col")
-        self.v_proj = Linear(hidden_size, hidden_size, bias=bias, parallel="col")
-        self.out_proj = Linear(hidden_size, hidden_size, bias=bias, parallel="row")
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.causal = causal
+        self.scale = scale
+        kv_in = kv_input_size or hidden_size
+        self.q_proj = Linear(hidden_size, num_heads * head_dim, bias=qkv_bias, parallel="col")
+        self.k_proj = Linear(kv_in, num_key_value_heads * head_dim, bias=qkv_bias, parallel="col")
+        self.v_proj = Linear(kv_in, num_key_value_heads * head_dim, bias=qkv_bias, parallel="col")
+        self.out_proj = Linear(num_heads * head_dim, hidden_size, bias=out_bias, parallel="row")
         self.attention_dropout = attention_dropout
         self.resid_dropout = nn.Dropout(dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        position_bias: Optional[torch.Tensor] = None,
+        kv: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
+        """x (B, T, C). ``attention_mask``: (B, T_k) padding mask (1 keep) or an additive bias broadcastable
+        to (B, nh, T, T_k). ``rotary``: (cos, sin) for the T positions of x. ``position_bias``: additive
+        (1|B, nh_local, T, T_k). ``kv``: the sequence to attend to (cross-attention); its keys/values are
+        computed once and cached when ``kv_cache`` is given."""
         B, T, _ = x.shape
-        # (B, T, C_local) -> (B, nh_local, T, hs); nh_local = nh / tensor_parallel_size
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
+        if kv is not None and kv_cache is not None and kv_cache.get(self) is not None:
+            k, v = kv_cache.get(self)  # cross-attention keys/values do not change while decoding
+        else:
+            src = x if kv is None else kv
+            S = src.shape[1]
+            k = self.k_proj(src).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, nkv_local, S, hs)
+            v = self.v_proj(src).view(B, S, -1, self.head_dim).transpose(1, 2)
+            if rotary is not None and kv is None:
+                cos, sin = rotary
+                q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            if kv_cache is not None:
+                if kv is None:
+                    k, v = kv_cache.update(self, k, v)
+                else:
+                    kv_cache.put(self, k, v)
+        if rotary is not None and kv is not None:
+            raise ValueError("rotary embeddings apply to self-attention only")
+        T_k = k.shape[2]
+        bias = None
+        if attention_mask is not None:
+            bias = padding_mask_to_bias(attention_mask, q.dtype) if attention_mask.dim() == 2 else attention_mask
+        if position_bias is not None:
+            bias = position_bias if bias is None else bias + position_bias
+        causal = self.causal and kv is None
+        if causal and (bias is not None or T != T_k):
+            # Causal with an offset (cached past keys) or combined with a bias: build the mask explicitly.
+            i = torch.arange(T, device=q.device)[:, None] + (T_k - T)
+            j = torch.arange(T_k, device=q.device)[None, :]
+            causal_bias = torch.zeros(T, T_k, dtype=q.dtype, device=q.device).masked_fill(j > i, torch.finfo(q.dtype).min)
+            bias = causal_bias if bias is None else bias + causal_bias
+            causal = False
+        if bias is not None and bias.dtype != q.dtype:
+            bias = bias.to(q.dtype)
         y = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.attention_dropout if self.training else 0.0
+            q, k, v, attn_mask=bias, is_causal=causal, scale=self.scale,
+            dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=self.num_key_value_heads != self.num_heads,
         )  # (B, nh_local, T, hs)
-        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, C_local)
+        y = y.transpose(1, 2).reshape(B, T, -1)  # (B, T, nh_local * hs)
         return self.resid_dropout(self.out_proj(y))
+
+
+class CausalSelfAttention(Attention):
+    """GPT-style causal self-attention (biases on every projection)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, bias: bool = True, attention_dropout: float = 0.0,
+                 dropout: float = 0.0):
+        super().__init__(hidden_size, num_heads, qkv_bias=bias, out_bias=bias, causal=True,
+                         attention_dropout=attention_dropout, dropout=dropout)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -38,7 +40,7 @@ class TransformerLayer(nn.Module):
         self.ln2 = LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.mlp = MLP(hidden_size, ffn_hidden_size, activation=activation, bias=bias, dropout=dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), attention_mask=attention_mask)
         x = x + self.mlp(self.ln2(x))
         return x

@@ -64,22 +64,32 @@ def layer_stage_ids(num_layers: int, num_stages: int, custom: list[int] | None =
 
 
 def build_stage_module(model: nn.Module, stage: int, num_stages: int, stage_ids: list[int]) -> nn.Module:
-    """A copy of ``model`` that keeps only what pipeline stage ``stage`` owns."""
+    """A copy of ``model`` that keeps only what pipeline stage ``stage`` owns.
+
+    The model declares how it splits in ``pipeline_layout``: the attribute holding its block
+    ``ModuleDict``, the modules only the first stage keeps (embeddings) and those only the last keeps
+    (final norm, head). Its forward must accept hidden states when the first-stage modules are None
+    and return a plain tensor when ``return_dict`` is False."""
+    layout = getattr(model, "pipeline_layout", None)
+    if layout is None:
+        raise LayoutError(
+            f"{type(model).__name__} cannot be split into pipeline stages: it declares no `pipeline_layout`. "
+            "Pipeline parallelism needs a model built from dufu layers; use data/tensor parallelism or ZeRO."
+        )
     module = copy.deepcopy(model) if num_stages > 1 else model
     keep = {str(i) for i, s in enumerate(stage_ids) if s == stage}
-    for name in list(module.blocks.keys()):
+    blocks = getattr(module, layout["blocks"])
+    for name in list(blocks.keys()):
         if name not in keep:
-            del module.blocks[name]
+            del blocks[name]
     first, last = stage == 0, stage == num_stages - 1
     tied = getattr(model, "tie_word_embeddings", False)
     if not first:
-        for attr in ("wte", "wpe", "embed_tokens", "embeddings"):
-            if getattr(module, attr, None) is not None:
-                setattr(module, attr, None)
+        for attr in layout["first"]:
+            setattr(module, attr, None)
     if not last:
-        for attr in ("ln_f", "norm", "lm_head"):
-            if getattr(module, attr, None) is not None:
-                setattr(module, attr, None)
+        for attr in layout["last"]:
+            setattr(module, attr, None)
     if tied and last and not first:
         # The head's weight is tied to the first stage's embedding. Keep a copy here and mark it, so its
         # gradient is summed with the embedding's (Megatron's embedding group) and counted once in norms.

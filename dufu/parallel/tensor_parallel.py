@@ -10,6 +10,7 @@ layer declares                         torch style applied (Megatron-LM terms)
                                        sequence-sharded under sequence parallelism
 ``VocabEmbedding``                     ``RowwiseParallel`` on the table (VocabParallelEmbedding)
 ``PositionEmbedding``                  replicated; output sliced along the sequence under SP
+``nn.Embedding`` with parallel="col"   ``ColwiseParallel``: per-head tables (relative position bias)
 norm with ``sequence_parallel=True``   ``SequenceParallel`` (under SP only)
 module with ``tensor_parallel_input``  ``PrepareModuleInput``: gather the sequence once
                                        before its column-parallel projections (under SP)
@@ -53,6 +54,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
                 plan[name] = ColwiseParallel()
             elif module.parallel == "row":
                 plan[name] = RowwiseParallel(output_layouts=seq)
+        elif isinstance(module, nn.Embedding) and getattr(module, "parallel", None) == "col":
+            # a table whose columns are per-head values (T5's relative attention bias): split by head
+            plan[name] = ColwiseParallel()
         elif isinstance(module, VocabEmbedding):
             plan[name] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq)
         elif isinstance(module, PositionEmbedding) and sequence_parallel:

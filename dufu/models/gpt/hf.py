@@ -100,3 +100,27 @@ def state_dict_to_hf(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, 
             out[h + theirs + ".weight"] = sd[b + ours + ".weight"].t().contiguous()
             out[h + theirs + ".bias"] = sd[b + ours + ".bias"]
     return out
+
+
+def _register() -> None:
+    from dufu.models.gpt.model import GPTModel
+    from dufu.models.hub import FamilyAdapter, register
+
+    def to_hf_config(model) -> dict:
+        cfg = config_to_hf(model)
+        cfg["_tied_hf_keys"] = ["lm_head.weight"] if model.tie_word_embeddings else []
+        return cfg
+
+    register(FamilyAdapter(
+        model_type="gpt2",
+        classes={"GPT2LMHeadModel": GPTModel},
+        config_from_hf=config_from_hf,
+        config_to_hf=to_hf_config,
+        state_dict_from_hf=lambda sd, model: state_dict_from_hf(sd, model.num_layers),
+        state_dict_to_hf=lambda sd, model: state_dict_to_hf(sd, model.num_layers),
+        default_architecture="GPT2LMHeadModel",
+        dufu_classes=(GPTModel,),
+    ))
+
+
+_register()

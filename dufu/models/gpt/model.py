@@ -21,6 +21,10 @@ from dufu.models.outputs import ModelOutput
 
 
 class GPTModel(nn.Module):
+    # What pipeline parallelism needs to split this model (see dufu.parallel.pipeline):
+    # blocks live in `blocks`; the first stage keeps `first`, the last keeps `last`.
+    pipeline_layout = {"blocks": "blocks", "first": ("wte", "wpe"), "last": ("ln_f", "lm_head")}
+    main_input_name = "input_ids"
     def __init__(
         self,
         vocab_size: int,
@@ -116,19 +120,27 @@ class GPTModel(nn.Module):
     def forward(
         self,
         input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
+        shift_labels: Optional[torch.Tensor] = None,
     ) -> ModelOutput:
-        hidden = self.hidden_states(input_ids, position_ids)
+        """Hugging Face semantics: ``labels`` are the input ids (shifted inside, -100 ignored);
+        ``shift_labels`` are already the next-token ids (what dufu's trainer passes, no token wasted).
+        ``attention_mask`` (B, T): 1 for tokens, 0 for padding."""
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask)
         logits = self.head(hidden)
-        if not self.return_dict and labels is None:
+        if not self.return_dict and labels is None and shift_labels is None:
             return logits
         loss = None
-        if labels is not None:
-            loss = causal_lm_loss(logits, labels)
+        if shift_labels is not None:
+            loss = causal_lm_loss(logits, shift_labels)
+        elif labels is not None:
+            loss = causal_lm_loss(logits[:, :-1], labels[:, 1:])
         return ModelOutput(loss=loss, logits=logits)
 
-    def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
+                      attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         if self.wte is not None:
             B, T = input_ids.shape
             if T > self.max_position_embeddings:
@@ -141,7 +153,7 @@ class GPTModel(nn.Module):
         else:
             h = input_ids  # a later pipeline stage receives hidden states (B, T, C)
         for block in self.blocks.values():
-            h = block(h)
+            h = block(h, attention_mask=attention_mask)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
@@ -153,5 +165,9 @@ class GPTModel(nn.Module):
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean token cross entropy, computed in fp32. ``labels`` are already shifted (next-token ids)."""
+    """Mean token cross entropy, computed in fp32. ``labels`` are already shifted (next-token ids).
+    Also the loss of a pipeline's last stage (``GPTModel.pipeline_loss``)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
+
+
+GPTModel.pipeline_loss = staticmethod(causal_lm_loss)
