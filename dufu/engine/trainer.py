@@ -413,6 +413,8 @@ class Trainer:
             part.eval()
         per_rank = G // self.dims.data_parallel_size
         total = torch.zeros((), device=self.device)
+        correct = torch.zeros((), device=self.device)  # classification: one label per sample
+        classification = False
         for b in range(n_batches):
             start = b * G + self.dp_rank * per_rank
             indices = list(range(start, start + per_rank))
@@ -430,11 +432,20 @@ class Trainer:
                 else:
                     for k in range(0, per_rank, self.micro_batch_size):
                         mb = {key: v[k:k + self.micro_batch_size] for key, v in inputs.items()}
-                        total += local_scalar(self.model(**mb).loss) * mb["input_ids"].shape[0] / per_rank
+                        out = self.model(**mb)
+                        total += local_scalar(out.loss) * mb[self.main_input_name].shape[0] / per_rank
+                        labels = mb.get("labels")
+                        if labels is not None and labels.dim() == 1 and out.logits is not None and out.logits.dim() == 2:
+                            classification = True
+                            logits = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits
+                            correct += (logits.argmax(-1) == labels).sum().float() / G
         for part in self.model_parts:
             part.train()
         mean = self.reduce_loss(total) / n_batches
-        return {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)), "eval_samples": n_batches * G}
+        result = {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)), "eval_samples": n_batches * G}
+        if classification:
+            result["eval_accuracy"] = self.reduce_loss(correct * self.dims.data_parallel_size) / n_batches
+        return result
 
     # ------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:
@@ -592,7 +603,8 @@ class Trainer:
             if eval_enabled and (self.step % t.evaluation.eval_period == 0 or self.step == t.train_iter):
                 ev = self.evaluate()
                 writer and writer.write({"step": self.step, **ev})
-                bar.write(f"step {self.step}: validation loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.1f}")
+                acc = f", accuracy {100 * ev['eval_accuracy']:.1f}%" if "eval_accuracy" in ev else ""
+                bar.write(f"step {self.step}: validation loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.1f}{acc}")
             stop_reason = self._stop_reason(t_start)
             period = t.checkpointer.period
             if (period and self.step % period == 0) or self.step == t.train_iter or stop_reason:
