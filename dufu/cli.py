@@ -139,7 +139,14 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"train": cmd_train, "configs": cmd_configs, "preprocess": cmd_preprocess, "convert": cmd_convert}
+def cmd_generate(argv: list[str]) -> int:
+    from dufu.engine.generate_cli import main as generate_main
+
+    return generate_main(argv)
+
+
+COMMANDS = {"train": cmd_train, "configs": cmd_configs, "preprocess": cmd_preprocess, "convert": cmd_convert,
+            "generate": cmd_generate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -21,7 +21,7 @@ from .corpus import BUILTIN, builtin_documents, read_documents
 from .dataset import TokenDataset, build_lm_datasets
 from .indexed_dataset import IndexedDataset, IndexedDatasetWriter
 from .preprocess import preprocess
-from .sampler import ResumableBatchSampler, collate
+from .sampler import ResumableBatchSampler, Sample, collate
 from .tokenizer import Tokenizer, build_tokenizer
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "IndexedDataset",
     "IndexedDatasetWriter",
     "ResumableBatchSampler",
+    "Sample",
     "TokenDataset",
     "Tokenizer",
     "build_lm_datasets",

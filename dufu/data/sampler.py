@@ -171,6 +171,27 @@ class ResumableBatchSampler:
         self.consumed_samples = int(consumed)
 
 
-def collate(dataset, indices) -> torch.Tensor:
-    """Stack ``dataset[i]`` for ``i`` in ``indices`` into a LongTensor of shape ``(B, seq_length + 1)``."""
-    return torch.from_numpy(np.stack([np.asarray(dataset[int(i)], dtype=np.int64) for i in indices]))
+class Sample(dict):
+    """A sample made of several named arrays (``{"input_ids": ..., "labels": ...}``): masked-LM, classification.
+
+    ``shape`` is ``(seq_length + 1,)``, the shape a plain token sample (:class:`~dufu.data.dataset.TokenDataset`)
+    feeding the same ``seq_length`` model inputs has, so code that sizes a run from ``dataset[0].shape`` works
+    for both kinds of data."""
+
+    @property
+    def shape(self) -> tuple[int]:
+        return (int(np.shape(self["input_ids"])[-1]) + 1,)
+
+
+def collate(dataset, indices) -> torch.Tensor | dict[str, torch.Tensor]:
+    """Stack ``dataset[i]`` for ``i`` in ``indices``: token samples into a LongTensor of shape
+    ``(B, seq_length + 1)``; dict samples key by key into a dict of tensors (integer arrays become int64,
+    floating ones keep their dtype)."""
+    samples = [dataset[int(i)] for i in indices]
+    if samples and isinstance(samples[0], dict):
+        out = {}
+        for key in samples[0]:
+            stacked = np.stack([np.asarray(s[key]) for s in samples])
+            out[key] = torch.from_numpy(stacked if stacked.dtype.kind == "f" else stacked.astype(np.int64))
+        return out
+    return torch.from_numpy(np.stack([np.asarray(s, dtype=np.int64) for s in samples]))

@@ -19,10 +19,20 @@ def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> Non
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    timeout = datetime.timedelta(minutes=timeout_minutes)
+    store_kwargs = {}
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if attempt > 0:
+        # A restarted worker group (`--max-restarts`) talks through the same torchrun store as the failed
+        # attempt, and process groups are named by a counter that starts over, so without a per-attempt key
+        # prefix the new workers read the dead workers' gloo addresses and time out connecting.
+        store, rank, size = next(dist.rendezvous("env://", timeout=timeout))
+        store_kwargs = dict(store=dist.PrefixStore(f"dufu_attempt_{attempt}/", store), rank=rank, world_size=size)
     dist.init_process_group(
         backend=env.pick_backend(device),
-        timeout=datetime.timedelta(minutes=timeout_minutes),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
+        **store_kwargs,
     )
 
 

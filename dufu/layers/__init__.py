@@ -1,7 +1,7 @@
 """Building blocks that know their parallel style. Plain nn.Modules on one device."""
 
 from dufu.layers.attention import Attention, CausalSelfAttention, KVCache, padding_mask_to_bias
-from dufu.layers.embedding import PositionEmbedding, VocabEmbedding
+from dufu.layers.embedding import HeadwiseEmbedding, PositionEmbedding, TokenTypeEmbedding, VocabEmbedding
 from dufu.layers.linear import PARALLEL_STYLES, Linear
 from dufu.layers.mlp import MLP, GatedMLP
 from dufu.layers.norm import LayerNorm, RMSNorm
@@ -11,6 +11,7 @@ from dufu.layers.transformer_layer import TransformerLayer
 __all__ = [
     "Attention",
     "GatedMLP",
+    "HeadwiseEmbedding",
     "KVCache",
     "RotaryEmbedding",
     "apply_rotary",
@@ -22,6 +23,7 @@ __all__ = [
     "PARALLEL_STYLES",
     "PositionEmbedding",
     "RMSNorm",
+    "TokenTypeEmbedding",
     "TransformerLayer",
     "VocabEmbedding",
 ]

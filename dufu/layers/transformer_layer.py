@@ -7,7 +7,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dufu.layers.attention import CausalSelfAttention
+from dufu.layers.attention import CausalSelfAttention, KVCache
 from dufu.layers.mlp import MLP
 from dufu.layers.norm import LayerNorm
 
@@ -40,7 +40,8 @@ class TransformerLayer(nn.Module):
         self.ln2 = LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.mlp = MLP(hidden_size, ffn_hidden_size, activation=activation, bias=bias, dropout=dropout)
 
-    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x), attention_mask=attention_mask)
+    def forward(self, x: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
+                kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x), attention_mask=attention_mask, kv_cache=kv_cache)
         x = x + self.mlp(self.ln2(x))
         return x

@@ -9,6 +9,17 @@ Each family registers an adapter keyed by the transformers ``model_type`` (``gpt
 
 Weights are read from ``model.safetensors`` (sharded ``model.safetensors.index.json`` too) or, failing
 that, ``pytorch_model.bin`` with ``torch.load(weights_only=True)``.
+
+Starting a run from pretrained weights (``model.pretrained=DIR`` on a model config, or
+``model = L(pretrained_model)(path=DIR)``) goes through :func:`load_pretrained`. It reads lazily: the
+safetensors files are opened with ``safe_open`` and a tensor is read only when the module being loaded
+has a parameter of that name, one tensor at a time, straight into the parameter (an adapter may return
+zero-argument callables instead of tensors for that purpose). So a module that holds part of a model —
+a pipeline stage with the other stages' blocks deleted — reads only its own tensors. A dufu checkpoint
+(``output_dir``, ``output_dir/checkpoints`` or ``.../step_N``) is read the same way, through
+``torch.distributed.checkpoint`` with the module's own keys. The trainer builds the whole
+single-device model on every rank before splitting it into stages, so today every rank reads every
+tensor once (memory-mapped, never a second full copy in memory).
 """
 
 from __future__ import annotations
@@ -16,7 +27,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 from torch import nn
@@ -34,6 +45,9 @@ class FamilyAdapter:
     state_dict_to_hf: Callable[[dict, nn.Module], dict]
     default_architecture: str = ""
     dufu_classes: tuple = field(default_factory=tuple)  # dufu classes this adapter exports
+    # True: state_dict_from_hf takes a lazy Mapping (HFWeights), returns only the keys the given module holds,
+    # and may return zero-argument callables that read a tensor when called (see load_pretrained).
+    lazy: bool = False
 
 
 _REGISTRY: dict[str, FamilyAdapter] = {}
@@ -121,19 +135,9 @@ def build_from_hf_config(hf_config: dict, architecture: Optional[str] = None, **
 
 
 def from_pretrained(path: str | Path, architecture: Optional[str] = None, **overrides) -> nn.Module:
-    """Load a Hugging Face model directory into the matching dufu model (fp32, eval mode off)."""
-    hf_config = read_hf_config(path)
-    ad = adapters().get(hf_config.get("model_type"))
-    model = build_from_hf_config(hf_config, architecture, **overrides)
-    sd = ad.state_dict_from_hf(read_hf_state_dict(path), model)
-    missing, unexpected = model.load_state_dict(sd, strict=False)
-    missing = [k for k in missing if k not in getattr(model, "tied_parameter_names", {})]
-    if missing or unexpected:
-        raise DataError(f"the weights in {path} do not fit {type(model).__name__}: missing {missing[:5]}, "
-                        f"unexpected {unexpected[:5]}.")
-    if hasattr(model, "tie_weights"):
-        model.tie_weights()
-    return model
+    """Load a Hugging Face model directory into the matching dufu model (fp32, training mode)."""
+    model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
+    return load_pretrained(model, path, strict=True, check_sizes=False)  # built from that very config
 
 
 def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dict] = None) -> Path:
@@ -154,3 +158,196 @@ def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dic
     save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))
     return path
+
+
+# --------------------------------------------------------------------------- lazy loading
+class HFWeights(Mapping):
+    """The tensors of a Hugging Face model directory, read one at a time on access (``safe_open``)."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self._files: dict[str, Path] = {}
+        self._handles: dict[Path, object] = {}
+        self._eager: Optional[dict] = None
+        single, index = self.path / "model.safetensors", self.path / "model.safetensors.index.json"
+        if single.is_file():
+            from safetensors import safe_open
+
+            with safe_open(str(single), framework="pt") as f:
+                self._files = {k: single for k in f.keys()}
+        elif index.is_file():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self._files = {k: self.path / f for k, f in weight_map.items()}
+        elif (self.path / "pytorch_model.bin").is_file():
+            # memory-mapped: tensors are paged in when used
+            self._eager = torch.load(self.path / "pytorch_model.bin", map_location="cpu", weights_only=True,
+                                     mmap=True)
+        else:
+            raise DataError(f"{self.path} holds no weights: expected model.safetensors, "
+                            "model.safetensors.index.json or pytorch_model.bin.")
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self._eager is not None:
+            return self._eager[key]
+        file = self._files[key]
+        if file not in self._handles:
+            from safetensors import safe_open
+
+            self._handles[file] = safe_open(str(file), framework="pt")
+        return self._handles[file].get_tensor(key)
+
+    def __contains__(self, key) -> bool:
+        return key in (self._eager if self._eager is not None else self._files)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._eager if self._eager is not None else self._files)
+
+    def __len__(self) -> int:
+        return len(self._eager if self._eager is not None else self._files)
+
+
+def _resolve_dufu_checkpoint(path: str | Path) -> Path:
+    from dufu.engine.checkpoint import Checkpointer
+
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        if root.is_dir():
+            latest = Checkpointer(root).latest()
+            if latest is not None:
+                return latest
+    raise DataError(f"{path} holds no complete dufu checkpoint (no checkpoints/step_N with a manifest.json). "
+                    "Give a Hugging Face directory (config.json + model.safetensors), a run's output_dir or a "
+                    "checkpoint directory.")
+
+
+def _dufu_checkpoint_tensors(ckpt: Path, module: nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Only ``keys`` of the checkpoint's model state, read by DCP into fresh tensors (tied names resolved)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from dufu.engine.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+
+    reader = SafeFileSystemReader(str(ckpt))
+    available = reader.read_metadata().state_dict_metadata
+    aliases = {}
+    for a, b in getattr(module, "tied_parameter_names", {}).items():
+        aliases[a], aliases[b] = b, a
+    wanted, names = {}, {}
+    own = module.state_dict()
+    for key in keys:
+        stored = key if f"model.{key}" in available else aliases.get(key)
+        if stored is None or f"model.{stored}" not in available:
+            continue
+        ref = own[key]
+        wanted[stored] = torch.empty(ref.shape, dtype=available[f"model.{stored}"].properties.dtype)
+        names.setdefault(stored, []).append(key)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.load({"model": wanted}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return {key: t for stored, t in wanted.items() for key in names[stored]}
+
+
+# Sizes that must agree between a model built from config and the pretrained weights poured into it.
+_STRUCTURAL = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+               "ffn_hidden_size", "max_position_embeddings")
+
+
+def _check_sizes(module: nn.Module, source_kwargs: dict, what: str) -> None:
+    wrong = [f"{k}={getattr(module, k)} (pretrained: {source_kwargs[k]})" for k in _STRUCTURAL
+             if source_kwargs.get(k) is not None and getattr(module, k, None) is not None
+             and getattr(module, k) != source_kwargs[k]]
+    if wrong:
+        raise DataError(f"{what} do not fit this {type(module).__name__}: {', '.join(wrong)}. Set model.* to "
+                        "the pretrained sizes, or use model = L(dufu.models.hub.pretrained_model)(path=...), "
+                        "which takes them from the pretrained config.")
+
+
+@torch.no_grad()
+def load_pretrained(module: nn.Module, path: str | Path, strict: bool = False, check_sizes: bool = True) -> nn.Module:
+    """Copy pretrained weights into ``module`` in place, from a Hugging Face directory (through the
+    family's adapter) or a dufu checkpoint. ``module`` may be part of a model (a pipeline stage): only the
+    tensors it holds are read (see the module docstring). Sizes that differ from the source's config, a
+    shape mismatch, or a parameter the source lacks is an error naming both; ``strict`` also refuses source
+    tensors that ``module`` has no place for."""
+    path = Path(path)
+    if any(p.is_meta for p in module.parameters()):
+        raise DufuError("load_pretrained needs a materialised module (to_empty + init_weights first), "
+                        "not one on the meta device.")
+    own = module.state_dict()
+    tied = getattr(module, "tied_parameter_names", {})
+    if (path / "config.json").is_file():
+        hf_config = read_hf_config(path)
+        ad = adapters().get(hf_config.get("model_type"))
+        if ad is None or not isinstance(module, tuple(ad.dufu_classes)):
+            ad = adapter_for_model(module)
+        what = f"the Hugging Face weights in {path}"
+        if check_sizes:
+            _check_sizes(module, ad.config_from_hf(hf_config), what)
+        source = ad.state_dict_from_hf(HFWeights(path) if ad.lazy else read_hf_state_dict(path), module)
+    elif path.exists():
+        from dufu.config import LazyConfig
+
+        ckpt = _resolve_dufu_checkpoint(path)
+        what = f"the dufu checkpoint {ckpt}"
+        if check_sizes and (ckpt / "config.yaml").is_file():
+            node = LazyConfig.load(str(ckpt / "config.yaml")).model
+            _check_sizes(module, {k: node.get(k) for k in _STRUCTURAL}, what)
+        source = _dufu_checkpoint_tensors(ckpt, module, list(own))
+    else:
+        raise DataError(f"pretrained weights {path} do not exist. Give a Hugging Face directory "
+                        "(config.json + model.safetensors), a dufu run's output_dir or a checkpoint directory.")
+    missing = [k for k in own if k not in source and k not in tied]
+    unexpected = [k for k in source if k not in own] if strict else []
+    if missing or unexpected:
+        raise DataError(f"{what} do not fit {type(module).__name__}: missing {missing[:5]}, unexpected "
+                        f"{unexpected[:5]}. Check that model.* (sizes, layers, biases) matches the pretrained model.")
+    for key, target in own.items():
+        if key not in source:
+            continue  # a tied name served by its twin
+        value = source[key]
+        value = value() if callable(value) else value
+        if tuple(value.shape) != tuple(target.shape):
+            raise DataError(f"{what} do not fit {type(module).__name__}: {key} has shape {tuple(value.shape)} "
+                            f"there but {tuple(target.shape)} in the model. Check model.* against the "
+                            "pretrained model's config.")
+        target.copy_(value)
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+    return module
+
+
+def pretrained_model(path: str | Path, architecture: Optional[str] = None, **overrides) -> nn.Module:
+    """A model built from a pretrained source's own config, with its weights: ``model =
+    L(pretrained_model)(path=DIR)`` in a config. ``path``: a Hugging Face directory or a dufu run /
+    checkpoint (whose config.yaml gives the architecture). ``overrides``: constructor arguments to change
+    (e.g. dropout). Under ``torch.device("meta")`` (start-up checks) only the shapes are built."""
+    path = Path(path)
+    meta = torch.empty(0).is_meta
+    if (path / "config.json").is_file():
+        model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
+    else:
+        from dufu.config import LazyConfig, instantiate
+
+        ckpt = _resolve_dufu_checkpoint(path)
+        cfg_file = ckpt / "config.yaml"
+        if not cfg_file.is_file():
+            raise DataError(f"checkpoint {ckpt} has no config.yaml, so its model cannot be identified.")
+        node = LazyConfig.load(str(cfg_file)).model
+        for k, v in overrides.items():
+            node[k] = v
+        if "pretrained" in node:
+            node["pretrained"] = None  # the checkpoint's own weights replace those it started from
+        with torch.device("meta"):
+            model = instantiate(node)  # shapes only; a pretrained_model node here reads nothing on meta
+        if not meta:
+            model.to_empty(device="cpu")
+            if not hasattr(model, "init_weights"):
+                raise DufuError(f"{type(model).__name__} has no init_weights(), so it cannot be materialised "
+                                "from a meta-device build to load a checkpoint into.")
+            model.init_weights()  # buffers (e.g. rotary tables) and any tied tensor
+    if not meta:
+        load_pretrained(model, path)
+    return model

@@ -61,26 +61,59 @@ def config_to_hf(model) -> dict:
     }
 
 
+def _hf_key(hf, name: str) -> str:
+    """The stored name of a ``transformer.*`` tensor (saved with or without the prefix)."""
+    return name if name in hf else name.removeprefix("transformer.")
+
+
+def tensor_sources(hf, keys) -> dict:
+    """For each GPTModel tensor name in ``keys``: a zero-argument callable that reads it from the transformers
+    GPT-2 tensors ``hf`` (a dict or a lazy mapping; only what is called is read)."""
+    out = {}
+    for key in keys:
+        parts = key.split(".")
+        if key == "lm_head.weight":
+            theirs = "lm_head.weight" if "lm_head.weight" in hf else _hf_key(hf, "transformer.wte.weight")
+            out[key] = lambda t=theirs: hf[t]
+        elif parts[0] in ("wte", "wpe", "ln_f"):
+            out[key] = lambda t=_hf_key(hf, "transformer." + key): hf[t]
+        elif parts[0] == "blocks":
+            i, module, rest = parts[1], ".".join(parts[2:-1]), parts[-1]  # e.g. "3", "attn.q_proj", "weight"
+            h = f"transformer.h.{i}."
+            if module in ("attn.q_proj", "attn.k_proj", "attn.v_proj"):
+                # c_attn is a Conv1D: weight (C, 3C) with q | k | v along the output (second) dim
+                which = ("attn.q_proj", "attn.k_proj", "attn.v_proj").index(module)
+                theirs = _hf_key(hf, h + "attn.c_attn." + rest)
+                if rest == "weight":
+                    out[key] = lambda t=theirs, w=which: hf[t].t().chunk(3, dim=0)[w].contiguous()  # (C, C)
+                else:
+                    out[key] = lambda t=theirs, w=which: hf[t].chunk(3)[w].clone()
+            else:
+                name = _GPT2_NAMES[module]
+                theirs = _hf_key(hf, h + name + "." + rest)
+                if rest == "weight" and module in _CONV1D:
+                    out[key] = lambda t=theirs: hf[t].t().contiguous()  # Conv1D (in, out) -> Linear (out, in)
+                else:
+                    out[key] = lambda t=theirs: hf[t]
+    return out
+
+
+_GPT2_NAMES = {"ln1": "ln_1", "ln2": "ln_2", "attn.out_proj": "attn.c_proj", "mlp.fc1": "mlp.c_fc",
+               "mlp.fc2": "mlp.c_proj"}
+_CONV1D = ("attn.out_proj", "mlp.fc1", "mlp.fc2")
+
+
+def _model_keys(num_layers: int) -> list[str]:
+    keys = ["wte.weight", "wpe.weight", "ln_f.weight", "ln_f.bias", "lm_head.weight"]
+    for i in range(num_layers):
+        for m in ("ln1", "ln2", "attn.q_proj", "attn.k_proj", "attn.v_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+            keys += [f"blocks.{i}.{m}.weight", f"blocks.{i}.{m}.bias"]
+    return keys
+
+
 def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
     """transformers GPT-2 tensors (with or without the ``transformer.`` prefix) -> GPTModel tensors."""
-    sd = {k.removeprefix("transformer."): v for k, v in hf_sd.items()}
-    out = {"wte.weight": sd["wte.weight"], "wpe.weight": sd["wpe.weight"],
-           "ln_f.weight": sd["ln_f.weight"], "ln_f.bias": sd["ln_f.bias"]}
-    out["lm_head.weight"] = hf_sd.get("lm_head.weight", sd["wte.weight"])
-    for i in range(num_layers):
-        h, b = f"h.{i}.", f"blocks.{i}."
-        for ours, theirs in (("ln1", "ln_1"), ("ln2", "ln_2")):
-            out[b + ours + ".weight"] = sd[h + theirs + ".weight"]
-            out[b + ours + ".bias"] = sd[h + theirs + ".bias"]
-        q, k, v = sd[h + "attn.c_attn.weight"].t().chunk(3, dim=0)  # (3C, C) -> 3 x (C, C)
-        qb, kb, vb = sd[h + "attn.c_attn.bias"].chunk(3)
-        for name, w, bias in (("q_proj", q, qb), ("k_proj", k, kb), ("v_proj", v, vb)):
-            out[b + f"attn.{name}.weight"] = w.contiguous()
-            out[b + f"attn.{name}.bias"] = bias
-        for ours, theirs in (("attn.out_proj", "attn.c_proj"), ("mlp.fc1", "mlp.c_fc"), ("mlp.fc2", "mlp.c_proj")):
-            out[b + ours + ".weight"] = sd[h + theirs + ".weight"].t().contiguous()
-            out[b + ours + ".bias"] = sd[h + theirs + ".bias"]
-    return out
+    return {k: read() for k, read in tensor_sources(hf_sd, _model_keys(num_layers)).items()}
 
 
 def state_dict_to_hf(sd: dict[str, torch.Tensor], num_layers: int) -> dict[str, torch.Tensor]:
@@ -116,10 +149,11 @@ def _register() -> None:
         classes={"GPT2LMHeadModel": GPTModel},
         config_from_hf=config_from_hf,
         config_to_hf=to_hf_config,
-        state_dict_from_hf=lambda sd, model: state_dict_from_hf(sd, model.num_layers),
+        state_dict_from_hf=lambda hf, model: tensor_sources(hf, model.state_dict().keys()),
         state_dict_to_hf=lambda sd, model: state_dict_to_hf(sd, model.num_layers),
         default_architecture="GPT2LMHeadModel",
         dufu_classes=(GPTModel,),
+        lazy=True,
     ))
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dufu.layers import LayerNorm, Linear, PositionEmbedding, TransformerLayer, VocabEmbedding
+from dufu.layers import KVCache, LayerNorm, Linear, PositionEmbedding, TransformerLayer, VocabEmbedding
 from dufu.models.outputs import ModelOutput
 
 
@@ -41,7 +41,10 @@ class GPTModel(nn.Module):
         bias: bool = True,
         tie_word_embeddings: bool = True,
         initializer_range: float = 0.02,
+        pretrained: Optional[str] = None,
     ):
+        """``pretrained``: a Hugging Face directory or a dufu run/checkpoint to take the weights from after
+        building (:func:`dufu.models.hub.load_pretrained`); the sizes given here must match it."""
         super().__init__()
         if hidden_size % num_attention_heads != 0:
             raise ValueError(
@@ -85,6 +88,10 @@ class GPTModel(nn.Module):
         self.tie_weights()
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
+            if pretrained is not None:
+                from dufu.models.hub import load_pretrained
+
+                load_pretrained(self, pretrained)
 
     # ------------------------------------------------------------------ init
     def tie_weights(self) -> None:
@@ -124,11 +131,13 @@ class GPTModel(nn.Module):
         labels: Optional[torch.Tensor] = None,
         position_ids: Optional[torch.Tensor] = None,
         shift_labels: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
     ) -> ModelOutput:
         """Hugging Face semantics: ``labels`` are the input ids (shifted inside, -100 ignored);
         ``shift_labels`` are already the next-token ids (what dufu's trainer passes, no token wasted).
-        ``attention_mask`` (B, T): 1 for tokens, 0 for padding."""
-        hidden = self.hidden_states(input_ids, position_ids, attention_mask)
+        ``attention_mask`` (B, T_past + T): 1 for tokens, 0 for padding. ``kv_cache``: keys and values of
+        earlier positions (incremental decoding); ``position_ids`` then default to ``past .. past + T - 1``."""
+        hidden = self.hidden_states(input_ids, position_ids, attention_mask, kv_cache)
         logits = self.head(hidden)
         if not self.return_dict and labels is None and shift_labels is None:
             return logits
@@ -140,20 +149,25 @@ class GPTModel(nn.Module):
         return ModelOutput(loss=loss, logits=logits)
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
-                      attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
+                      attention_mask: Optional[torch.Tensor] = None,
+                      kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         if self.wte is not None:
             B, T = input_ids.shape
-            if T > self.max_position_embeddings:
-                raise ValueError(
-                    f"sequence length {T} exceeds max_position_embeddings {self.max_position_embeddings}"
-                )
+            past = 0
+            if kv_cache is not None and len(self.blocks):
+                cached = kv_cache.get(next(iter(self.blocks.values())).attn)
+                past = 0 if cached is None else cached[0].shape[2]
             if position_ids is None:
-                position_ids = torch.arange(T, device=input_ids.device).unsqueeze(0)  # (1, T)
+                if past + T > self.max_position_embeddings:
+                    raise ValueError(
+                        f"sequence length {past + T} exceeds max_position_embeddings {self.max_position_embeddings}"
+                    )
+                position_ids = torch.arange(past, past + T, device=input_ids.device).unsqueeze(0)  # (1, T)
             h = self.drop(self.wte(input_ids) + self.wpe(position_ids))  # (B, T, C)
         else:
             h = input_ids  # a later pipeline stage receives hidden states (B, T, C)
         for block in self.blocks.values():
-            h = block(h, attention_mask=attention_mask)
+            h = block(h, attention_mask=attention_mask, kv_cache=kv_cache)
         return h
 
     def head(self, h: torch.Tensor) -> torch.Tensor:

@@ -17,4 +17,6 @@ model = L(GPTModel)(
     bias=True,
     tie_word_embeddings=True,
     initializer_range=0.02,
+    # A Hugging Face GPT-2 directory or a dufu run/checkpoint to start from (sizes above must match it).
+    pretrained=None,
 )

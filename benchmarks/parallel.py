@@ -1,0 +1,766 @@
+"""Parallel layouts side by side in one run: training throughput of a small GPT in ten layouts, and the
+per-rank peak memory of ZeRO stages 0-3 at dp 2 and dp 4 next to the theory.
+
+    python benchmarks/parallel.py                    # full run: ~10 CPU-minutes, so ~6 minutes on 2 idle cores
+    python benchmarks/parallel.py --quick            # smoke run: ~2 CPU-minutes; 4 layouts, 6 steps, small model
+    python benchmarks/parallel.py --only throughput  # or --only memory
+    python benchmarks/parallel.py --layouts 1proc,tp2sp,dp2tp2pp2
+
+On a CPU these numbers only show that the machinery works and how memory scales with the layout: here 2 cores
+are shared by up to 8 processes, so more processes never means more speed.
+
+**Throughput.** Every layout trains the same model (``gpt_debug`` scaled to 4 layers, hidden 128, 4 heads,
+sequence 64, byte vocabulary padded to 384; fp32, no dropout) on the same global batch (16 sequences = 1,024
+tokens; micro-batch 4, so the accumulation steps, which are the pipeline's micro-batches, are 16 / (4 x dp)).
+Each layout is started the way a user starts it, ``python -m dufu train gpt_debug --nproc N key=value ...``,
+with ``train.log_period=1``; the result is the median ``tokens_per_s`` of the steps after ``--warmup`` in the
+run's ``metrics.jsonl``. Every process runs one thread (``OMP_NUM_THREADS=1``, torchrun's default; ``--threads``
+changes it): with 2 threads, the 1-process run here was 6-40x slower whenever other processes competed for
+the cores, because OpenMP threads wait for each other at every parallel region. Since every
+layout sees the same samples from the same initial weights, the logged losses must agree with the 1-process
+run; the table shows the largest difference as a check that the layouts compute the same thing.
+
+**Memory.** A larger GPT (8 layers, hidden 512, 8 heads, vocabulary 8,192, sequence 64: 29.4M parameters)
+runs 2 steps at dp 2 and dp 4 with ZeRO off (``replicate``, i.e. DDP) and ZeRO stages 1, 2, 3, and as a
+reference on one process (with the tied embedding/head and without), launched as
+``python -m torch.distributed.run --standalone --nproc-per-node N benchmarks/_worker.py train ...``:
+``_worker.py`` runs ``dufu.cli.main`` and records every rank's peak resident set size (RSS) in three phases
+(build, train, checkpoint; see its docstring). A baseline run of the same layout with a tiny model (1 layer,
+hidden 64) measures what every process holds anyway (Python, torch, gloo, data): ~300 MiB. The table reports
+peak - baseline per rank (the larger of the ranks) next to
+
+* the ZeRO paper's model-state memory per rank (Rajbhandari et al. 2020): fp32 parameters 4 B + gradients 4 B +
+  AdamW's two moments 8 B per parameter; stage 1 divides the optimizer states by dp, stage 2 also the
+  gradients, stage 3 also the parameters;
+* what dufu's mechanism should hold at its peak: stage 1 and 2 both run as FSDP2 with
+  ``reshard_after_forward=False`` (``dufu/parallel/data_parallel.py``), so every rank keeps the gathered full
+  parameters (4 B/param) from forward until each block's backward, next to its own shards of parameters (4/dp),
+  optimizer states (8/dp) and, replacing the gathered blocks during backward, gradients (4/dp): 4 + 12/dp
+  bytes per parameter for both stages -- the paper's ZeRO-2 number, below its ZeRO-1 number. Stage 3 frees each
+  block's gathered parameters after forward, but the root unit (embeddings, tied head, final norm) is never
+  resharded after forward: 16/dp bytes per parameter plus 4 bytes per root parameter.
+
+The memory runs use glibc malloc with ``MALLOC_MMAP_THRESHOLD_=65536``: every allocation of 64 KiB or more gets
+its own mapping and goes back to the system when freed, so RSS follows the live tensors. glibc's default
+threshold is dynamic: each freed mapping raises it to that size (up to 32 MiB), later tensors up to that size
+come from the heap, and freed heap memory stays in the process. Peak RSS then says more about the allocator than
+about the layout; a second table shows that for ZeRO off and ZeRO-3 at dp 2.
+
+Results go to ``benchmarks/results/parallel-<YYYY-MM-DD>.json`` and ``.md`` (not for ``--quick`` unless
+``--results-dir`` is given). ``DUFU_CACHE_DIR`` (tokenized corpus, measured peak FLOP/s) and all run
+directories live in a temporary directory, removed at the end (``--work-dir`` keeps them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import platform
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).resolve().parent / "_worker.py"
+CORES = os.cpu_count() or 1
+MiB = 1024 * 1024
+
+NOTE = (
+    "Absolute CPU numbers here only show that the machinery works and how memory scales with the layout: "
+    f"{CORES} CPU cores are shared by up to 8 processes, so more processes never means more speed on this "
+    "machine."
+)
+
+# ----------------------------------------------------------------------------- what is measured
+THROUGHPUT_MODEL = dict(num_layers=4, hidden_size=128, num_attention_heads=4, vocab_size=384,
+                        max_position_embeddings=64)
+THROUGHPUT_SEQ = 64
+THROUGHPUT_GLOBAL_BATCH = 16
+THROUGHPUT_MICRO_BATCH = 4
+
+MEMORY_MODEL = dict(num_layers=8, hidden_size=512, num_attention_heads=8, vocab_size=8192, max_position_embeddings=64)
+QUICK_MEMORY_MODEL = dict(num_layers=4, hidden_size=256, num_attention_heads=4, vocab_size=2048,
+                          max_position_embeddings=64)
+BASELINE_MODEL = dict(num_layers=1, hidden_size=64, num_attention_heads=4, vocab_size=384, max_position_embeddings=64)
+MEMORY_SEQ = 64
+MEMORY_STEPS = 2  # step 1 creates AdamW's state; step 2 runs forward/backward with every model state alive
+
+ALLOCATORS = {
+    # RSS follows live tensors: allocations >= 64 KiB are mmap'ed and unmapped on free.
+    "mmap64k": {"MALLOC_MMAP_THRESHOLD_": "65536"},
+    # glibc's default: the mmap threshold grows with freed blocks (up to 32 MiB); freed memory below it stays.
+    "default": {},
+}
+
+COMMON = [
+    "train.evaluation.enabled=False",
+    "train.tensorboard=False",
+    "train.checkpointer.period=0",  # the trainer still saves once, after the last step
+    "train.log_period=1",
+]
+
+
+@dataclass
+class Layout:
+    key: str
+    title: str
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    sp: bool = False
+    zero: int | None = None
+
+    @property
+    def nproc(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def overrides(self) -> list[str]:
+        o = [f"train.dist.data_parallel_size={self.dp}", f"train.dist.tensor_parallel_size={self.tp}",
+             f"train.dist.pipeline_parallel_size={self.pp}"]
+        if self.sp:
+            o.append("train.dist.sequence_parallel=True")
+        if self.pp > 1:
+            o.append("train.dist.pipeline_schedule=1f1b")
+        if self.zero is not None:
+            o += ["train.zero_optimization.enabled=True", f"train.zero_optimization.stage={self.zero}"]
+        return o
+
+
+LAYOUTS = [
+    Layout("1proc", "1 process"),
+    Layout("dp2", "dp2", dp=2),
+    Layout("tp2", "tp2", tp=2),
+    Layout("tp2sp", "tp2 + sp", tp=2, sp=True),
+    Layout("pp2", "pp2 (1f1b)", pp=2),
+    Layout("dp2z3", "dp2 ZeRO-3", dp=2, zero=3),
+    Layout("dp2tp2", "dp2 x tp2", dp=2, tp=2),
+    Layout("dp2pp2", "dp2 x pp2", dp=2, pp=2),
+    Layout("tp2pp2", "tp2 x pp2", tp=2, pp=2),
+    Layout("dp2tp2pp2", "dp2 x tp2 x pp2", dp=2, tp=2, pp=2),
+]
+QUICK_LAYOUTS = ["1proc", "tp2sp", "dp2z3", "dp2tp2pp2"]
+
+
+def model_overrides(model: dict, seq: int) -> list[str]:
+    return [f"model.{k}={v}" for k, v in model.items()] + [f"dataloader.train.seq_length={seq}"]
+
+
+# ----------------------------------------------------------------------------- running one job
+@dataclass
+class Run:
+    label: str
+    cmd: list[str]
+    env: dict
+    out: Path
+    rc: int | None = None
+    seconds: float = 0.0
+    load_before: float = 0.0
+    log_tail: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def execute(run: Run, timeout: float) -> Run:
+    """Run one job in its own process group (so a hung job can be stopped completely), log to out/run.log."""
+    run.out.mkdir(parents=True, exist_ok=True)
+    log = run.out / "run.log"
+    run.load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(run.cmd, stdout=f, stderr=subprocess.STDOUT, env=run.env, cwd=REPO,
+                                start_new_session=True)
+        try:
+            run.rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # the group of the job this script started, nothing else
+            proc.wait()
+            run.rc = -9
+            f.write(f"\n[benchmark] killed after {timeout:.0f} s\n")
+    run.seconds = time.perf_counter() - t0
+    if run.rc != 0:
+        run.log_tail = log.read_text(errors="replace")[-3000:]
+    return run
+
+
+def base_env(cache_dir: Path, threads: int, extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "DUFU_BENCH_MEMORY_DIR"):
+        env.pop(k, None)
+    env.update(DUFU_CACHE_DIR=str(cache_dir), OMP_NUM_THREADS=str(threads), PYTHONUNBUFFERED="1")
+    env.update(extra or {})
+    return env
+
+
+def read_metrics(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
+
+
+def drop_checkpoints(out: Path) -> None:
+    shutil.rmtree(out / "checkpoints", ignore_errors=True)
+
+
+# ----------------------------------------------------------------------------- throughput
+def throughput_runs(layouts: list[Layout], steps: int, warmup: int, threads: int, work: Path, cache: Path,
+                    timeout: float, progress) -> list[dict]:
+    results = []
+    for i, layout in enumerate(layouts, 1):
+        out = work / "throughput" / layout.key
+        cmd = [sys.executable, "-m", "dufu", "train", "gpt_debug"]
+        if layout.nproc > 1:
+            cmd += ["--nproc", str(layout.nproc)]
+        cmd += [f"train.output_dir={out / 'run'}", *COMMON, f"train.train_iter={steps}",
+                f"train.global_batch_size={THROUGHPUT_GLOBAL_BATCH}",
+                f"train.train_micro_batch_size={THROUGHPUT_MICRO_BATCH}",
+                *model_overrides(THROUGHPUT_MODEL, THROUGHPUT_SEQ), *layout.overrides()]
+        run = execute(Run(layout.title, cmd, base_env(cache, threads), out), timeout)
+        recs = read_metrics(out / "run")
+        timed = [r for r in recs if r["step"] > warmup]
+        row = {
+            "layout": layout.title, "key": layout.key, "nproc": layout.nproc, "threads_per_process": threads,
+            "dp": layout.dp, "tp": layout.tp, "pp": layout.pp, "sequence_parallel": layout.sp,
+            "zero_stage": layout.zero,
+            "accumulation_steps": THROUGHPUT_GLOBAL_BATCH // (THROUGHPUT_MICRO_BATCH * layout.dp),
+            "returncode": run.rc, "wall_s": round(run.seconds, 1), "load_avg_before": round(run.load_before, 2),
+            "command": " ".join(cmd[1:]),
+        }
+        if run.rc == 0 and timed:
+            row.update(
+                median_tokens_per_s=statistics.median(r["tokens_per_s"] for r in timed),
+                median_step_ms=1000 * statistics.median(r["step_time_s"] for r in timed),
+                timed_steps=len(timed),
+                tokens_per_s=[round(r["tokens_per_s"], 1) for r in recs],
+                losses=[r["loss"] for r in recs],
+            )
+            msg = (f"{row['median_tokens_per_s']:>9,.0f} tokens/s (median of {len(timed)} steps), "
+                   f"{row['median_step_ms']:,.0f} ms/step")
+        else:
+            row["error"] = run.log_tail or "no steps after warm-up were logged"
+            last = (run.log_tail.strip().splitlines() or [""])[-1][:160]
+            msg = f"FAILED (exit {run.rc}): {last}"
+        drop_checkpoints(out / "run")
+        progress(f"[throughput {i}/{len(layouts)}] {layout.title:<17} {layout.nproc} proc x {threads} thr  "
+                 f"{msg}  [{run.seconds:.0f} s, load {run.load_before:.1f}]")
+        results.append(row)
+    ref = next((r for r in results if r["key"] == "1proc" and "losses" in r), None)
+    for r in results:
+        if "median_tokens_per_s" in r and ref is not None:
+            r["speedup_vs_1proc"] = r["median_tokens_per_s"] / ref["median_tokens_per_s"]
+            n = min(len(r["losses"]), len(ref["losses"]))
+            r["max_abs_loss_diff_vs_1proc"] = max(abs(a - b) for a, b in zip(r["losses"][:n], ref["losses"][:n]))
+    return results
+
+
+# ----------------------------------------------------------------------------- memory
+def parameter_counts(model: dict) -> dict:
+    """Exact parameter counts of the memory model, built on the meta device: total, root unit, one block."""
+    import torch
+
+    from dufu.config import LazyConfig, instantiate, resolve_config_path
+    from dufu.parallel import transformer_blocks
+
+    cfg = LazyConfig.load(str(resolve_config_path("gpt_debug")))
+    cfg = LazyConfig.apply_overrides(cfg, [f"model.{k}={v}" for k, v in model.items()])
+    with torch.device("meta"):
+        m = instantiate(cfg.model)
+    unique = lambda ps: sum(p.numel() for p in {id(p): p for p in ps}.values())  # noqa: E731 (tied weights once)
+    total = unique(m.parameters())
+    blocks = transformer_blocks(m)
+    in_blocks = sum(unique(b.parameters()) for _, b in blocks)
+    return {"total": total, "root": total - in_blocks, "per_block": in_blocks // max(1, len(blocks)),
+            "num_blocks": len(blocks)}
+
+
+def theory_bytes(P: int, stage: int, dp: int) -> float:
+    """ZeRO paper, fp32 + AdamW: parameters 4 B, gradients 4 B, optimizer states 8 B per parameter."""
+    params, grads, optim = 4.0 * P, 4.0 * P, 8.0 * P
+    if stage >= 1:
+        optim /= dp
+    if stage >= 2:
+        grads /= dp
+    if stage >= 3:
+        params /= dp
+    return params + grads + optim
+
+
+def dufu_estimate_bytes(counts: dict, stage: int, dp: int) -> float:
+    """The peak model-state memory of dufu's mechanism (see the module docstring)."""
+    P = counts["total"]
+    if stage == 0:
+        return 16.0 * P  # replicate: everything on every rank
+    if stage in (1, 2):
+        return 4.0 * P + 12.0 * P / dp  # gathered params kept forward->backward + own shards
+    return 16.0 * P / dp + 4.0 * counts["root"]  # root unit stays gathered forward->backward
+
+
+def read_ranks(mem_dir: Path, nproc: int) -> list[dict] | None:
+    files = [mem_dir / f"rank{r}.json" for r in range(nproc)]
+    if not all(f.exists() for f in files):
+        return None
+    return [json.loads(f.read_text()) for f in files]
+
+
+def memory_job(label: str, dp: int, stage: int, model: dict, allocator: str, work: Path, cache: Path,
+               timeout: float) -> tuple[Run, list[dict] | None]:
+    out = work / "memory" / label
+    mem_dir = out / "mem"
+    zero = ["train.zero_optimization.enabled=False"] if stage == 0 else [
+        "train.zero_optimization.enabled=True", f"train.zero_optimization.stage={stage}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}", str(WORKER),
+           "train", "gpt_debug", f"train.output_dir={out / 'run'}", *COMMON, f"train.train_iter={MEMORY_STEPS}",
+           "train.train_micro_batch_size=1", f"train.global_batch_size={dp}",
+           "train.peak_tflops=1.0",  # skip the peak-FLOP/s matmul measurement (3 x 16 MiB of buffers)
+           *model_overrides(model, MEMORY_SEQ), f"train.dist.data_parallel_size={dp}", *zero]
+    env = base_env(cache, 1, {"DUFU_BENCH_MEMORY_DIR": str(mem_dir), **ALLOCATORS[allocator]})
+    run = execute(Run(label, cmd, env, out), timeout)
+    ranks = read_ranks(mem_dir, dp) if run.rc == 0 else None
+    drop_checkpoints(out / "run")
+    return run, ranks
+
+
+def phase_mib(rank: dict, phase: str) -> float:
+    if phase == "peak":
+        return rank["peak_kb"] / 1024
+    return rank["phases_kb"].get(phase, 0) / 1024
+
+
+@dataclass
+class MemoryJob:
+    kind: str  # "model" or "baseline"
+    dp: int
+    stage: int
+    allocator: str
+    variant: str = ""  # "untied": the same model with tie_word_embeddings=False
+
+    @property
+    def label(self) -> str:
+        if self.kind == "baseline":
+            return f"baseline-dp{self.dp}-{self.allocator}"
+        return f"dp{self.dp}-zero{self.stage}-{self.allocator}{'-' + self.variant if self.variant else ''}"
+
+    def describe(self) -> str:
+        if self.kind == "baseline":
+            return "baseline (tiny model)"
+        what = f"ZeRO-{self.stage}" if self.stage else ("1 process" if self.dp == 1 else "ZeRO off (DDP)")
+        return what + (", untied head" if self.variant == "untied" else "")
+
+
+def memory_jobs(dps: list[int], stages: list[int], default_malloc: list[tuple[int, int]], reference: bool) -> list:
+    jobs = []
+    if reference:  # one process: the plain 16 B/param case, with and without the tied embedding/head
+        jobs += [MemoryJob("baseline", 1, 0, "mmap64k"), MemoryJob("model", 1, 0, "mmap64k"),
+                 MemoryJob("model", 1, 0, "mmap64k", "untied")]
+    for dp in dps:
+        jobs.append(MemoryJob("baseline", dp, 0, "mmap64k"))
+        jobs += [MemoryJob("model", dp, s, "mmap64k") for s in stages]
+    # No separate baseline for the default allocator: the tiny model makes almost no allocation of 64 KiB or
+    # more, so its RSS is the same under both settings (measured: within 2 MiB).
+    jobs += [MemoryJob("model", dp, s, "default") for dp, s in default_malloc]
+    return jobs
+
+
+def memory_runs(jobs: list[MemoryJob], model: dict, work: Path, cache: Path, timeout: float, progress) -> dict:
+    counts = {"tied": parameter_counts(model), "untied": parameter_counts({**model, "tie_word_embeddings": False})}
+    baselines, rows = {}, []
+    for i, job in enumerate(jobs, 1):
+        job_model = BASELINE_MODEL if job.kind == "baseline" else (
+            {**model, "tie_word_embeddings": False} if job.variant == "untied" else model)
+        run, ranks = memory_job(job.label, job.dp, job.stage, job_model, job.allocator, work, cache, timeout)
+        row = {"kind": job.kind, "variant": job.variant, "dp": job.dp, "zero_stage": job.stage,
+               "allocator": job.allocator, "returncode": run.rc, "wall_s": round(run.seconds, 1),
+               "load_avg_before": round(run.load_before, 2)}
+        head = f"[memory {i}/{len(jobs)}] dp{job.dp} {job.describe():<26} {job.allocator:<8}"
+        if ranks is None:
+            last = (run.log_tail.strip().splitlines() or [""])[-1][:160]
+            progress(f"{head} FAILED (exit {run.rc}): {last}")
+            rows.append({**row, "error": run.log_tail})
+            continue
+        peaks = [phase_mib(r, "peak") for r in ranks]
+        progress(f"{head} peak RSS per rank {', '.join(f'{p:,.0f}' for p in peaks)} MiB  "
+                 f"[{run.seconds:.0f} s, load {run.load_before:.1f}]")
+        row.update(ranks=ranks, peak_mib_max_rank=max(peaks))
+        if job.kind == "baseline":
+            baselines[(job.dp, job.allocator)] = ranks
+            rows.append(row)
+            continue
+        c = counts["untied" if job.variant == "untied" else "tied"]
+        row.update(parameters=c["total"], theory_mib=theory_bytes(c["total"], job.stage, job.dp) / MiB,
+                   dufu_estimate_mib=dufu_estimate_bytes(c, job.stage, job.dp) / MiB)
+        base = baselines.get((job.dp, job.allocator)) or baselines.get((job.dp, "mmap64k"))
+        if base is not None:
+            row["baseline_peak_mib_max_rank"] = max(phase_mib(b, "peak") for b in base)
+            for phase in ("peak", "build", "train", "checkpoint"):
+                diffs = [phase_mib(r, phase) - phase_mib(b, phase) for r, b in zip(ranks, base)]
+                row[f"{phase}_minus_baseline_mib"] = {"max": max(diffs), "min": min(diffs)}
+        rows.append(row)
+    return {"model": model, "parameters": counts["tied"], "parameters_untied": counts["untied"],
+            "steps": MEMORY_STEPS, "seq_length": MEMORY_SEQ, "micro_batch_size": 1, "allocators": ALLOCATORS,
+            "rows": rows}
+
+
+def prepare_data_cache() -> None:
+    """Tokenize the corpus into DUFU_CACHE_DIR once, here, so no measured run pays for (or holds memory of) it."""
+    from dufu.config import LazyConfig, instantiate, resolve_config_path
+
+    cfg = LazyConfig.load(str(resolve_config_path("gpt_debug")))
+    tokenizer = instantiate(cfg.tokenization.tokenizer)
+    node = cfg.dataloader.train
+    node.tokenizer = tokenizer
+    node.seq_length = MEMORY_SEQ
+    instantiate(node)
+
+
+# ----------------------------------------------------------------------------- reporting
+def table(header: list[str], rows: list[list[str]]) -> list[str]:
+    out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
+    out += ["| " + " | ".join(r) + " |" for r in rows]
+    return out
+
+
+def fmt(x, spec=",.0f", none="-") -> str:
+    return none if x is None else format(x, spec)
+
+
+def throughput_table(rows: list[dict]) -> list[str]:
+    body = []
+    for r in rows:
+        if "median_tokens_per_s" not in r:
+            body.append([r["layout"], str(r["nproc"]), str(r["threads_per_process"]), str(r["accumulation_steps"]),
+                         "failed", "-", "-", "-", "-", fmt(r["wall_s"]), fmt(r["load_avg_before"], ".1f")])
+            continue
+        body.append([
+            r["layout"], str(r["nproc"]), str(r["threads_per_process"]), str(r["accumulation_steps"]),
+            fmt(r["median_tokens_per_s"]), fmt(r.get("speedup_vs_1proc"), ".2f") + "x",
+            fmt(r["median_step_ms"]), f"{r['losses'][-1]:.4f}", fmt(r.get("max_abs_loss_diff_vs_1proc"), ".1e"),
+            fmt(r["wall_s"]), fmt(r["load_avg_before"], ".1f"),
+        ])
+    return table(["layout", "procs", "threads/proc", "micro-batches/rank", "tokens/s (median)", "vs 1 process",
+                  "ms/step", "last loss", "max abs loss diff vs 1 process", "wall s", "load avg at start"], body)
+
+
+def _diff(r: dict, phase: str) -> str:
+    d = r.get(f"{phase}_minus_baseline_mib")
+    if d is None:
+        return "-"
+    return f"{d['max']:,.0f}" if abs(d["max"] - d["min"]) < 5 else f"{d['max']:,.0f} ({d['min']:,.0f})"
+
+
+def _layout_name(r: dict) -> str:
+    if r["dp"] == 1:
+        return "1 process" + (", untied head" if r.get("variant") == "untied" else "")
+    return f"dp{r['dp']} " + (f"ZeRO-{r['zero_stage']}" if r["zero_stage"] else "ZeRO off (DDP)")
+
+
+def _model_rows(mem: dict, allocator: str) -> list[dict]:
+    return [r for r in mem["rows"] if r["kind"] == "model" and r["allocator"] == allocator]
+
+
+def _train_excess(r: dict) -> float | None:
+    d = r.get("train_minus_baseline_mib")
+    return None if d is None else d["max"] - r["dufu_estimate_mib"]
+
+
+def memory_table(mem: dict, allocator: str) -> list[str]:
+    body = []
+    for r in _model_rows(mem, allocator):
+        if r.get("returncode") != 0:
+            body.append([_layout_name(r), "failed"] + ["-"] * 9)
+            continue
+        body.append([_layout_name(r), f"{r['parameters'] / 1e6:.1f}M", fmt(r["theory_mib"]),
+                     fmt(r["dufu_estimate_mib"]), fmt(r["peak_mib_max_rank"]),
+                     fmt(r.get("baseline_peak_mib_max_rank")), _diff(r, "peak"), _diff(r, "build"),
+                     _diff(r, "train"), fmt(_train_excess(r), "+,.0f"), _diff(r, "checkpoint")])
+    return table(["layout", "params", "theory: model states", "dufu mechanism estimate", "peak RSS",
+                  "baseline peak RSS", "peak - baseline", "build - baseline", "train - baseline",
+                  "train - baseline - estimate", "checkpoint - baseline"], body)
+
+
+def allocator_table(mem: dict) -> list[str]:
+    fixed = {(r["dp"], r["zero_stage"]): r for r in _model_rows(mem, "mmap64k") if r.get("returncode") == 0
+             and not r.get("variant")}
+    body = []
+    for r in _model_rows(mem, "default"):
+        if r.get("returncode") != 0:
+            continue
+        other = fixed.get((r["dp"], r["zero_stage"]), {})
+        body.append([_layout_name(r), fmt(r["theory_mib"]), _diff(r, "train"), _diff(other, "train"),
+                     fmt(r["peak_mib_max_rank"]), fmt(other.get("peak_mib_max_rank"))])
+    return table(["layout", "theory", "train - baseline, default malloc", "train - baseline, mmap >= 64 KiB",
+                  "peak RSS, default malloc", "peak RSS, mmap >= 64 KiB"], body)
+
+
+def machine_info() -> dict:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_total = None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemTotal"):
+                mem_total = round(int(line.split()[1]) / 1024 / 1024, 1)
+    except OSError:
+        pass
+    import torch
+
+    def git(*a):
+        try:
+            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    commit = git("rev-parse", "--short", "HEAD")
+    if git("status", "--porcelain", "--", "dufu"):
+        commit += " (+ uncommitted changes in dufu/)"
+    return {
+        "cpu": cpu, "cores": CORES, "memory_gib": mem_total, "torch": torch.__version__,
+        "python": platform.python_version(), "libc": " ".join(platform.libc_ver()), "platform": platform.platform(),
+        "dufu_commit": commit,
+    }
+
+
+def report(results: dict) -> str:
+    info, lines = results["machine"], []
+    lines += [f"# Parallel layouts - {results['date']}", "", f"> {NOTE}", ""]
+    lines.append(f"Machine: {info['cpu']}, {info['cores']} cores, {info['memory_gib']} GiB RAM; torch {info['torch']}, "
+                 f"Python {info['python']}, {info['libc']}; {info['platform']}; dufu {info['dufu_commit']}. "
+                 f"Load average {results['load_avg_start']} at the start, {results['load_avg_end']} at the end"
+                 + (f" (above {info['cores']}: other work shared the cores)"
+                    if max(results['load_avg_start'], results['load_avg_end']) > info['cores'] else "")
+                 + f". Total time {results['total_s']:.0f} s, "
+                 f"{results['cpu_s']:.0f} CPU seconds in all benchmark processes."
+                 + (" Quick run." if results["quick"] else ""))
+    if "throughput" in results:
+        t = results["throughput_setup"]
+        lines += ["", "## Throughput", "",
+                  f"`gpt_debug` with {t['model']}, sequence {t['seq_length']}; global batch {t['global_batch_size']} "
+                  f"sequences ({t['global_batch_size'] * t['seq_length']:,} tokens) = micro {t['micro_batch_size']} "
+                  f"x dp x accumulation; fp32; {t['steps']} steps, median `tokens_per_s` of the steps after "
+                  f"{t['warmup']} (from `metrics.jsonl`, `log_period=1`). "
+                  "Pipeline layouts run the accumulation steps as 1F1B micro-batches.", ""]
+        lines += throughput_table(results["throughput"])
+    if "memory" in results:
+        mem = results["memory"]
+        c = mem["parameters"]
+        lines += ["", "## Memory per rank, ZeRO stages", "",
+                  f"`gpt_debug` with {mem['model']}: {c['total']:,} parameters ({c['root']:,} in the root unit: "
+                  f"embeddings, tied head, final norm; {c['per_block']:,} per block); {mem['steps']} steps, "
+                  f"micro-batch {mem['micro_batch_size']} x sequence {mem['seq_length']}, fp32, AdamW. All values "
+                  "MiB per rank, the largest rank; where ranks differ by 5 MiB or more, the smallest follows in "
+                  "parentheses. Peak RSS is measured per worker process (`benchmarks/_worker.py`); baseline = the "
+                  "same layout with a 1-layer, hidden-64 model (Python, torch, gloo, data). Phases: build = "
+                  "`Trainer.__init__` (data, the full model on every rank, process group, sharding), train = the "
+                  "steps, checkpoint = the final save.", "",
+                  "*theory* = the ZeRO paper's model states: 4 B parameters + 4 B gradients + 8 B AdamW moments "
+                  "per parameter; ZeRO-1 shards the moments over dp, ZeRO-2 also the gradients, ZeRO-3 also the "
+                  "parameters. *dufu mechanism estimate* = ZeRO off (`replicate`): 16 B/param; ZeRO-1 and ZeRO-2, "
+                  "both FSDP2 with `reshard_after_forward=False`: gathered parameters (4 B) kept from forward "
+                  "until each block's backward + own shards of parameters, moments and gradients (12/dp B) = "
+                  "4 + 12/dp B/param; ZeRO-3: 16/dp B/param + 4 B per root-unit parameter (the root is not "
+                  "resharded after forward).", "",
+                  "### glibc malloc with `MALLOC_MMAP_THRESHOLD_=65536` (RSS follows live tensors)", ""]
+        lines += memory_table(mem, "mmap64k")
+        if _model_rows(mem, "default"):
+            lines += ["", "### The same layouts with glibc's default malloc", ""]
+            lines += allocator_table(mem)
+    if results.get("observations"):
+        lines += ["", "## Observations", ""] + [f"* {o}" for o in results["observations"]]
+    return "\n".join(lines) + "\n"
+
+
+def observations(results: dict) -> list[str]:
+    """Statements computed from this run's numbers (nothing here is a fixed claim)."""
+    obs = []
+    rows = results.get("throughput", [])
+    ok = [r for r in rows if "median_tokens_per_s" in r]
+    if ok:
+        best = max(ok, key=lambda r: r["median_tokens_per_s"])
+        worst = min(ok, key=lambda r: r["median_tokens_per_s"])
+        obs.append(f"Throughput: fastest {best['layout']} ({best['median_tokens_per_s']:,.0f} tokens/s), slowest "
+                   f"{worst['layout']} ({worst['median_tokens_per_s']:,.0f}). {CORES} cores, 1 thread per process: "
+                   "up to 2 processes add cores, more only add communication and time-slicing.")
+        tp = [r for r in ok if r["tp"] > 1]
+        rest = [r for r in ok if r["tp"] == 1]
+        if tp and rest:
+            obs.append(
+                f"Tensor-parallel layouts take {min(r['median_step_ms'] for r in tp):,.0f}-"
+                f"{max(r['median_step_ms'] for r in tp):,.0f} ms per step, the others "
+                f"{min(r['median_step_ms'] for r in rest):,.0f}-{max(r['median_step_ms'] for r in rest):,.0f}: "
+                "TP exchanges activations inside every layer (forward and backward, every micro-batch), and on a "
+                "model 128 wide those small collectives cost more than the matmuls they split. DP and PP "
+                "communicate once per step or once per micro-batch and stage.")
+        diffs = [r["max_abs_loss_diff_vs_1proc"] for r in ok if r.get("max_abs_loss_diff_vs_1proc") is not None]
+        if diffs:
+            obs.append(f"Every layout's logged losses match the 1-process run to {max(diffs):.1e} or better (fp32), "
+                       "so all layouts train the same model on the same samples.")
+    failed = [r["layout"] for r in rows if "median_tokens_per_s" not in r]
+    if failed:
+        obs.append(f"Failed layouts: {', '.join(failed)} (the JSON file holds the log tail).")
+    mem = results.get("memory")
+    if not mem:
+        return obs
+    fixed = {(r["dp"], r["zero_stage"], r.get("variant", "")): r for r in _model_rows(mem, "mmap64k")
+             if "train_minus_baseline_mib" in r}
+    train = {k: r["train_minus_baseline_mib"]["max"] for k, r in fixed.items()}
+    root_mib = 4.0 * mem["parameters"]["root"] / MiB
+    full_mib = 4.0 * mem["parameters"]["total"] / MiB
+    pairs = [f"dp{dp} {train[(dp, 1, '')]:,.0f} and {train[(dp, 2, '')]:,.0f}" for dp in sorted({k[0] for k in train})
+             if (dp, 1, "") in train and (dp, 2, "") in train]
+    if pairs:
+        obs.append(f"ZeRO-1 and ZeRO-2 measure the same ({'; '.join(pairs)} MiB in training): one mechanism "
+                   "(FSDP2, gradients always reduce-scattered), as `dufu/parallel/data_parallel.py` says. Its "
+                   "estimate is the paper's ZeRO-2 number, below the ZeRO-1 number, but not lower: the gathered "
+                   "parameters stay from forward until backward.")
+    drops = []
+    for stage in (0, 1, 2, 3):
+        if (2, stage, "") in train and (4, stage, "") in train:
+            got = train[(2, stage, "")] - train[(4, stage, "")]
+            want = fixed[(2, stage, "")]["dufu_estimate_mib"] - fixed[(4, stage, "")]["dufu_estimate_mib"]
+            got = 0.0 if abs(got) < 0.5 else got
+            drops.append(f"{'ZeRO-' + str(stage) if stage else 'ZeRO off'} {got:,.0f} (estimate {want:,.0f})")
+    if drops:
+        obs.append("The part that depends on dp follows the estimate: train-phase memory falls from dp2 to dp4 by "
+                   + ", ".join(drops) + " MiB.")
+    excess = {k: _train_excess(r) for k, r in fixed.items()}
+    dist_excess = [v for k, v in excess.items() if k[0] > 1 and v is not None]
+    if (1, 0, "") in excess and (1, 0, "untied") in excess:
+        obs.append(
+            f"Above the estimate: one process holds {excess[(1, 0, '')]:+,.0f} MiB with the tied embedding/head "
+            f"and {excess[(1, 0, 'untied')]:+,.0f} MiB untied. The tied weight's two gradients (embedding and "
+            f"head, {root_mib:,.0f} MiB each) are alive together while autograd sums them, so about "
+            f"{2 * root_mib:,.0f} MiB of the excess is transient gradient memory, not a leak."
+            + (f" The distributed layouts add {min(dist_excess):+,.0f} to {max(dist_excess):+,.0f} MiB in all, "
+               "the rest most likely the full-size gradients of the unit being reduced (root unit "
+               f"{root_mib:,.0f} MiB, a block {4 * mem['parameters']['per_block'] / MiB:,.0f} MiB) and, under "
+               "ZeRO-3, the gathered block." if dist_excess else ""))
+    elif dist_excess:
+        obs.append(f"Above the estimate: {min(dist_excess):+,.0f} to {max(dist_excess):+,.0f} MiB per rank "
+                   "(transient full-size gradients of the tied embedding/head and of the unit being reduced).")
+    builds = [r["build_minus_baseline_mib"]["max"] for r in fixed.values() if r["dp"] > 1]
+    if builds:
+        z3 = [(r["dp"], r["build_minus_baseline_mib"]["max"], train[k]) for k, r in fixed.items()
+              if r["zero_stage"] == 3]
+        share = (f" At dp{max(z3)[0]} ZeRO-3 that is {100 * max(z3)[1] / max(z3)[2]:.0f}% of the training "
+                 "peak; beyond dp 4 (16/dp < 4 B/param) building the model would set every rank's peak."
+                 if z3 else "")
+        obs.append(f"Build phase: {min(builds):,.0f}-{max(builds):,.0f} MiB above baseline in every layout, "
+                   f"whatever dp and stage: the trainer builds and initialises the full fp32 model on every rank "
+                   f"({full_mib:,.0f} MiB) before sharding it." + share)
+    ck = [r["checkpoint_minus_baseline_mib"]["max"] - train[k] for k, r in fixed.items()]
+    if ck:
+        obs.append(f"The final checkpoint save stays {-max(ck):,.0f} MiB or more below the training peak in "
+                   "every layout (no gathering of full tensors).")
+    for r in _model_rows(mem, "default"):
+        other = fixed.get((r["dp"], r["zero_stage"], ""))
+        if "train_minus_baseline_mib" in r and other:
+            a, b = r["train_minus_baseline_mib"]["max"], train[(r["dp"], r["zero_stage"], "")]
+            obs.append(f"Default malloc, {_layout_name(r)}: {a:,.0f} MiB above baseline in training vs {b:,.0f} "
+                       f"with the fixed mmap threshold ({a / b:.1f}x): freed tensor memory stays in the process's "
+                       "heap (the amount varies from run to run).")
+    return obs
+
+
+# ----------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 layouts, 6 steps, a smaller memory model, dp 2 only")
+    ap.add_argument("--only", choices=["throughput", "memory"], help="run one part only")
+    ap.add_argument("--layouts", help=f"comma-separated throughput layouts (default: all): "
+                                      f"{', '.join(l.key for l in LAYOUTS)}")
+    ap.add_argument("--steps", type=int, default=None, help="training steps per throughput run (default 25; quick 6)")
+    ap.add_argument("--warmup", type=int, default=None, help="steps left out of the median (default 5; quick 2)")
+    ap.add_argument("--results-dir", default=None, help="where to write the results (default benchmarks/results)")
+    ap.add_argument("--work-dir", default=None, help="keep run directories and the dufu cache here")
+    ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every throughput process (default 1)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds before one run is stopped")
+    args = ap.parse_args(argv)
+
+    steps = args.steps or (6 if args.quick else 25)
+    warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)
+    if warmup >= steps:
+        ap.error(f"--warmup {warmup} leaves no timed steps out of --steps {steps}")
+    keys = args.layouts.split(",") if args.layouts else (QUICK_LAYOUTS if args.quick else [l.key for l in LAYOUTS])
+    unknown = [k for k in keys if k not in {l.key for l in LAYOUTS}]
+    if unknown:
+        ap.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(l.key for l in LAYOUTS)}")
+    layouts = [l for l in LAYOUTS if l.key in keys]
+
+    tmp = None
+    if args.work_dir:
+        work = Path(args.work_dir).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+    else:
+        tmp = tempfile.TemporaryDirectory(prefix="dufu-parallel-")
+        work = Path(tmp.name)
+    cache = work / "cache"
+    # Also for this process (parameter_counts imports dufu): nothing may land in the user's cache.
+    os.environ["DUFU_CACHE_DIR"] = str(cache)
+
+    def progress(msg: str) -> None:
+        print(msg, flush=True)
+
+    print(NOTE, flush=True)
+    load0 = os.getloadavg()[0]
+    if load0 > CORES:
+        print(f"warning: load average {load0:.1f} on {CORES} cores: other work is running, throughput will be "
+              "noisy.", flush=True)
+    t0 = time.perf_counter()
+    date = _dt.date.today().isoformat()
+    results: dict = {"date": date, "quick": args.quick, "machine": machine_info(), "load_avg_start": round(load0, 2),
+                     "note": NOTE}
+    try:
+        if args.only in (None, "throughput"):
+            results["throughput_setup"] = {
+                "model": THROUGHPUT_MODEL, "seq_length": THROUGHPUT_SEQ, "global_batch_size": THROUGHPUT_GLOBAL_BATCH,
+                "micro_batch_size": THROUGHPUT_MICRO_BATCH, "steps": steps, "warmup": warmup, "dtype": "fp32",
+            }
+            results["throughput"] = throughput_runs(layouts, steps, warmup, args.threads, work, cache, args.timeout, progress)
+        if args.only in (None, "memory"):
+            prepare_data_cache()
+            if args.quick:
+                jobs = memory_jobs([2], [0, 3], [], reference=False)
+            else:
+                jobs = memory_jobs([2, 4], [0, 1, 2, 3], [(2, 0), (2, 3)], reference=True)
+            results["memory"] = memory_runs(jobs, QUICK_MEMORY_MODEL if args.quick else MEMORY_MODEL, work, cache,
+                                            args.timeout, progress)
+    finally:
+        if tmp is not None:
+            tmp.cleanup()
+    results["total_s"] = time.perf_counter() - t0
+    import resource
+
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    results["cpu_s"] = kids.ru_utime + kids.ru_stime + me.ru_utime + me.ru_stime
+    results["load_avg_end"] = round(os.getloadavg()[0], 2)
+    results["observations"] = observations(results)
+    text = report(results)
+    print()
+    print(text)
+    if not args.quick or args.results_dir:
+        out_dir = Path(args.results_dir or REPO / "benchmarks" / "results")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stem = out_dir / f"parallel-{date}"
+        stem.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+        stem.with_suffix(".md").write_text(text)
+        print(f"wrote {stem}.json and {stem}.md")
+    failed = [r for r in results.get("throughput", []) if r.get("returncode") != 0]
+    failed += [r for r in results.get("memory", {}).get("rows", []) if r.get("returncode") != 0]
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+# The tiny LLaMA every test and multi-process check uses: 2 layers, hidden 64, 4 query / 2 key-value heads,
+# SwiGLU 176, byte-level vocabulary (257 tokens, padded to 384), sequence 32, no dropout, fp32.
+from .common.data.corpus import dataloader, tokenization
+from .common.models.llama import model
+from .common.optim import optim
+from .common.train import train
+
+model.update(
+    vocab_size=384,
+    hidden_size=64,
+    num_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    ffn_hidden_size=176,
+    max_position_embeddings=32,
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+)
+tokenization.tokenizer.update(kind="byte", vocab_size=None)
+dataloader.train.seq_length = 32
+
+optim.lr = 1e-3
+train.update(
+    output_dir="output/llama_debug",
+    train_iter=20,
+    train_micro_batch_size=4,
+    log_period=1,
+)
+train.scheduler.warmup_iter = 2
+train.evaluation.update(eval_period=10, eval_iter=4)
+train.checkpointer.period = 10
+train.tensorboard = False

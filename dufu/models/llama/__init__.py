@@ -1,0 +1,3 @@
+from dufu.models.llama.model import LlamaBlock, LlamaModel
+
+__all__ = ["LlamaBlock", "LlamaModel"]

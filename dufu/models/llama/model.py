@@ -1,0 +1,227 @@
+"""LLaMA-style decoder (Touvron et al. 2023; Llama 3, Qwen2), single-device code built from dufu.layers.
+
+Pre-norm blocks ``x + attn(rmsnorm(x))`` then ``x + swiglu(rmsnorm(x))``, rotary position embeddings
+(Su et al. 2021) in every attention, grouped-query attention (Ainslie et al. 2023), no biases except the
+optional Q/K/V biases Qwen2 uses, and an output head that is separate or tied to the token embedding.
+
+Blocks live in a ``ModuleDict`` keyed by ``str(i)`` so parameter names (``blocks.3.attn.q_proj.weight``)
+survive pipeline splitting. Each block computes its own rotary cos/sin tables from the positions: a
+pipeline stage receives only hidden states, and under sequence parallelism only the block sees the full
+sequence length (its normed input is a sequence-sharded DTensor whose shape is the global one).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dufu.layers import Attention, GatedMLP, KVCache, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from dufu.models.gpt.model import causal_lm_loss
+from dufu.models.outputs import ModelOutput
+
+
+def past_length(kv_cache: Optional[KVCache], attn: nn.Module) -> int:
+    """Positions already in ``kv_cache`` for the attention module ``attn`` (0 without a cache)."""
+    if kv_cache is None:
+        return 0
+    past = kv_cache.get(attn)
+    return 0 if past is None else past[0].shape[2]
+
+
+def default_position_ids(T: int, past: int, device) -> torch.Tensor:
+    return torch.arange(past, past + T, device=device).unsqueeze(0)  # (1, T)
+
+
+class LlamaBlock(nn.Module):
+    """``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``; ``layer_idx`` places it on a pipeline stage."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_attention_heads: int,
+        num_key_value_heads: int,
+        head_dim: int,
+        ffn_hidden_size: int,
+        layer_idx: int,
+        rms_norm_eps: float = 1e-6,
+        max_position_embeddings: int = 2048,
+        rope_theta: float = 10000.0,
+        rope_scaling: Optional[dict] = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        mlp_bias: bool = False,
+        attention_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+    ):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.attn_norm = RMSNorm(hidden_size, eps=rms_norm_eps)
+        self.attn = Attention(
+            hidden_size, num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
+            qkv_bias=qkv_bias, out_bias=out_bias, causal=True, attention_dropout=attention_dropout,
+            dropout=hidden_dropout,
+        )
+        self.mlp_norm = RMSNorm(hidden_size, eps=rms_norm_eps)
+        self.mlp = GatedMLP(hidden_size, ffn_hidden_size, activation="silu", bias=mlp_bias, dropout=hidden_dropout)
+        # A table of head_dim / 2 frequencies (a non-persistent buffer: no checkpoint key).
+        self.rotary = RotaryEmbedding(head_dim, max_position_embeddings, base=rope_theta, rope_scaling=rope_scaling)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+    ) -> torch.Tensor:
+        h = self.attn_norm(x)  # (B, T, C); under sequence parallelism a DTensor with the global T
+        if position_ids is None:
+            position_ids = default_position_ids(h.shape[1], past_length(kv_cache, self.attn), x.device)
+        cos, sin = self.rotary(position_ids, dtype=torch.float32)  # (B|1, 1, T, hd), fp32 like the reference
+        x = x + self.attn(h, attention_mask=attention_mask, rotary=(cos, sin), kv_cache=kv_cache)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class LlamaModel(nn.Module):
+    """Causal decoder of the LLaMA family. Llama 2/3: no biases, untied head. Qwen2: ``qkv_bias=True``
+    (the small sizes also tie the head). ``rope_scaling``: e.g. ``{"rope_type": "llama3", "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
+
+    ``pretrained``: a Hugging Face directory or a dufu run/checkpoint to take the weights from after
+    building (see :func:`dufu.models.hub.load_pretrained`); the sizes given here must match it."""
+
+    # What pipeline parallelism needs to split this model (see dufu.parallel.pipeline).
+    pipeline_layout = {"blocks": "blocks", "first": ("wte",), "last": ("norm", "lm_head")}
+    main_input_name = "input_ids"
+
+    def __init__(
+        self,
+        vocab_size: int,
+        hidden_size: int = 4096,
+        num_layers: int = 32,
+        num_attention_heads: int = 32,
+        num_key_value_heads: Optional[int] = None,
+        head_dim: Optional[int] = None,
+        ffn_hidden_size: int = 11008,
+        max_position_embeddings: int = 4096,
+        rms_norm_eps: float = 1e-5,
+        rope_theta: float = 10000.0,
+        rope_scaling: Optional[dict] = None,
+        qkv_bias: bool = False,
+        out_bias: bool = False,
+        mlp_bias: bool = False,
+        embedding_dropout: float = 0.0,
+        hidden_dropout: float = 0.0,
+        attention_dropout: float = 0.0,
+        tie_word_embeddings: bool = False,
+        initializer_range: float = 0.02,
+        pretrained: Optional[str] = None,
+    ):
+        super().__init__()
+        num_key_value_heads = num_key_value_heads or num_attention_heads
+        if head_dim is None:
+            if hidden_size % num_attention_heads != 0:
+                raise ValueError(f"LlamaModel: hidden_size {hidden_size} must be divisible by num_attention_heads "
+                                 f"{num_attention_heads} (or give head_dim)")
+            head_dim = hidden_size // num_attention_heads
+        if num_attention_heads % num_key_value_heads != 0:
+            raise ValueError(f"LlamaModel: num_attention_heads {num_attention_heads} must be a multiple of "
+                             f"num_key_value_heads {num_key_value_heads}")
+        self.vocab_size = vocab_size
+        self.hidden_size = hidden_size
+        self.num_layers = num_layers
+        self.num_attention_heads = num_attention_heads
+        self.num_key_value_heads = num_key_value_heads
+        self.head_dim = head_dim
+        self.ffn_hidden_size = ffn_hidden_size
+        self.max_position_embeddings = max_position_embeddings
+        self.rope_theta = rope_theta
+        self.rope_scaling = dict(rope_scaling) if rope_scaling else None
+        self.initializer_range = initializer_range
+        self.tie_word_embeddings = tie_word_embeddings
+        # Names that hold one shared tensor: a checkpoint that has only one of them serves both.
+        self.tied_parameter_names = {"lm_head.weight": "wte.weight"} if tie_word_embeddings else {}
+        # False: forward returns a plain tensor (what a pipeline stage must return).
+        self.return_dict = True
+
+        self.wte = VocabEmbedding(vocab_size, hidden_size)
+        self.drop = nn.Dropout(embedding_dropout)
+        self.blocks = nn.ModuleDict({
+            str(i): LlamaBlock(
+                hidden_size, num_attention_heads, num_key_value_heads, head_dim, ffn_hidden_size, layer_idx=i,
+                rms_norm_eps=rms_norm_eps, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
+                rope_scaling=rope_scaling, qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias,
+                attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
+            )
+            for i in range(num_layers)
+        })
+        self.norm = RMSNorm(hidden_size, eps=rms_norm_eps)
+        self.lm_head = Linear(hidden_size, vocab_size, bias=False, parallel="col")
+        self.tie_weights()
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+            if pretrained is not None:
+                from dufu.models.hub import load_pretrained
+
+                load_pretrained(self, pretrained)
+
+    # ------------------------------------------------------------------ init
+    def tie_weights(self) -> None:
+        """Make the head use the token embedding's tensor (when ``tie_word_embeddings``); called again after
+        ``to_empty`` (materialising a meta-device build gives every module its own tensor)."""
+        wte, lm_head = getattr(self, "wte", None), getattr(self, "lm_head", None)
+        if self.tie_word_embeddings and wte is not None and lm_head is not None:
+            lm_head.weight = wte.weight
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Every matrix and embedding N(0, initializer_range), biases 0, norm weights 1 (as Llama's
+        reference initialisation); the rotary tables are recomputed (a meta build leaves them empty)."""
+        self.tie_weights()
+        std = self.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                if not (self.tie_word_embeddings and module is self.lm_head):
+                    nn.init.normal_(module.weight, mean=0.0, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, nn.Embedding):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+            elif isinstance(module, RotaryEmbedding):
+                module.reset_parameters()
+
+    # --------------------------------------------------------------- forward
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        shift_labels: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
+    ):
+        """Hugging Face semantics: ``labels`` are the input ids (shifted inside, -100 ignored);
+        ``shift_labels`` are already the next-token ids (what dufu's trainer passes).
+        ``attention_mask`` (B, T_past + T): 1 for tokens, 0 for padding. ``position_ids`` (B|1, T): default
+        ``past .. past + T - 1`` where past is the length already in ``kv_cache``. On a later pipeline stage
+        ``input_ids`` are the hidden states (B, T, C) of the stage before."""
+        h = self.drop(self.wte(input_ids)) if self.wte is not None else input_ids  # (B, T, C)
+        for block in self.blocks.values():
+            h = block(h, attention_mask=attention_mask, position_ids=position_ids, kv_cache=kv_cache)
+        if self.norm is not None:
+            h = self.norm(h)
+        logits = self.lm_head(h) if self.lm_head is not None else h  # (B, T, V)
+        if not self.return_dict and labels is None and shift_labels is None:
+            return logits
+        loss = None
+        if shift_labels is not None:
+            loss = causal_lm_loss(logits, shift_labels)
+        elif labels is not None:
+            loss = causal_lm_loss(logits[:, :-1], labels[:, 1:])
+        return ModelOutput(loss=loss, logits=logits)
+
+
+LlamaModel.pipeline_loss = staticmethod(causal_lm_loss)

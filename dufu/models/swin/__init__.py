@@ -1,0 +1,3 @@
+from dufu.models.swin.model import SwinForImageClassification, count_swin_parameters
+
+__all__ = ["SwinForImageClassification", "count_swin_parameters"]

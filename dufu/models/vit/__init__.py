@@ -1,0 +1,3 @@
+from dufu.models.vit.model import ViTForImageClassification, classification_loss, count_vit_parameters
+
+__all__ = ["ViTForImageClassification", "classification_loss", "count_vit_parameters"]

@@ -1,0 +1,84 @@
+"""Shared fixtures of the dufu test suite (helpers that tests import live in dufu_testing.py).
+
+* One dufu cache directory per test session (``DUFU_CACHE_DIR``): a run never writes to ``~``, and the
+  byte-level dataset of the built-in corpus is tokenized once per session, not once per test.
+* ``train_run``: train the ``gpt_debug`` recipe in-process with a few overrides.
+* ``debug_run``: one complete 10-step run (checkpoints at steps 5 and 10, evaluation, TensorBoard,
+  generation), trained once per session; tests that change it work on a copy (``copy_run``).
+* ``run_cli``: ``python -m dufu ...`` in a subprocess, for the few tests where the exit code and
+  stderr of a real process matter.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `import dufu_testing` from any test directory
+
+from dufu_testing import DEBUG_RUN_OVERRIDES, REPO, Run, train  # noqa: E402
+
+# The tiny models of these tests gain nothing from a second thread, and when other processes share
+# the machine, OpenMP's spinning threads slow every small kernel down many times over.
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def dufu_cache_dir(tmp_path_factory):
+    """One cache directory for the session: caches make later runs fast, and nothing goes to ~/.cache."""
+    path = tmp_path_factory.mktemp("dufu_cache")
+    old = os.environ.get("DUFU_CACHE_DIR")
+    os.environ["DUFU_CACHE_DIR"] = str(path)
+    yield path
+    if old is None:
+        os.environ.pop("DUFU_CACHE_DIR", None)
+    else:
+        os.environ["DUFU_CACHE_DIR"] = old
+
+
+@pytest.fixture
+def train_run(tmp_path):
+    """``train_run(*overrides, name="run", resume=False, fast=True)``: a gpt_debug run in ``tmp_path/name``."""
+
+    def run(*overrides, name: str = "run", resume: bool = False, fast: bool = True) -> Run:
+        return train(tmp_path / name, overrides, resume=resume, fast=fast)
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def debug_run(tmp_path_factory, dufu_cache_dir) -> Run:
+    """gpt_debug for 10 steps, checkpoints at 5 and 10. Read-only: copy it (``copy_run``) to change it."""
+    return train(tmp_path_factory.mktemp("debug_run") / "run", DEBUG_RUN_OVERRIDES, fast=False)
+
+
+@pytest.fixture
+def copy_run(debug_run, tmp_path):
+    """``copy_run(name="run")``: a private copy of the session's debug run directory."""
+
+    def copy(name: str = "run") -> Path:
+        dest = tmp_path / name
+        shutil.copytree(debug_run.output_dir, dest)
+        return dest
+
+    return copy
+
+
+@pytest.fixture
+def run_cli(tmp_path):
+    """``run_cli(*args, cwd=tmp_path)``: ``python -m dufu *args`` in a subprocess -> CompletedProcess."""
+
+    def run(*args, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+        return subprocess.run(
+            [sys.executable, "-m", "dufu", *map(str, args)],
+            cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
+        )
+
+    return run

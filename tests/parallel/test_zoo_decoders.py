@@ -1,0 +1,92 @@
+"""The model zoo's decoders train to the same numbers in parallel layouts as on one process.
+
+llama_debug in fp32 with a fixed global batch of 8 for 5 steps (as tests/parallel/test_loss_parity.py does
+for gpt_debug) under tensor, pipeline and 3-D parallelism; and GPT-2 weights imported from a transformers
+directory through ``model.pretrained`` under tensor parallelism, where every rank loads the weights itself:
+the first loss must be the transformers model's loss on the first batch.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dufu_testing import train
+from parallel_runs import PARITY_ARGS, assert_ok, final_model_state, losses, run_dufu
+
+DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
+
+# id: (processes, overrides)
+LLAMA_LAYOUTS = {
+    "tp2": (2, [TP2]),
+    "pp2": (2, [PP2]),
+    "dp2xtp2xpp2-sp": (8, [DP2, TP2, PP2, "train.dist.sequence_parallel=True"]),
+}
+
+
+def assert_same_run(out, ref_out, what: str) -> None:
+    got, ref = losses(out), losses(ref_out)
+    assert len(got) == len(ref) == 5
+    for step, (a, b) in enumerate(zip(got, ref), start=1):
+        assert a == pytest.approx(b, rel=1e-5), f"{what}: step {step} loss {a} != single-process {b}"
+    state, ref_state = final_model_state(out), final_model_state(ref_out)
+    assert set(state) == set(ref_state)
+    for name, value in ref_state.items():
+        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what}: {name}: {m}")
+
+
+@pytest.fixture(scope="module")
+def llama_reference(tmp_path_factory, dufu_cache_dir):
+    out = tmp_path_factory.mktemp("llama_reference") / "run"
+    train(out, PARITY_ARGS, recipe="llama_debug")  # one process, in this one
+    return out
+
+
+@pytest.mark.parametrize("layout", list(LLAMA_LAYOUTS))
+def test_llama_layout_matches_single_process(layout, llama_reference, tmp_path):
+    nproc, overrides = LLAMA_LAYOUTS[layout]
+    out = tmp_path / layout
+    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, *overrides, config="llama_debug"))
+    assert_same_run(out, llama_reference, f"llama_debug {layout}")
+
+
+@pytest.fixture(scope="module")
+def gpt2_hf_dir(tmp_path_factory):
+    """A random transformers GPT-2 with gpt_debug's sizes."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.GPT2Config(vocab_size=384, n_embd=64, n_layer=2, n_head=4, n_positions=32,
+                                  bos_token_id=None, eos_token_id=None)
+    model = transformers.GPT2LMHeadModel(cfg).eval()
+    path = tmp_path_factory.mktemp("gpt2_hf")
+    model.save_pretrained(path)
+    return path, model
+
+
+def first_batch_loss(hf_model) -> float:
+    """The transformers model's mean next-token loss on the first global batch of a PARITY_ARGS gpt_debug run."""
+    import torch.nn.functional as F
+
+    from dufu.data import ResumableBatchSampler, build_lm_datasets, build_tokenizer, collate
+    from dufu_testing import load_config
+
+    cfg = load_config("gpt_debug")
+    train_ds, _ = build_lm_datasets("builtin", build_tokenizer("byte"), seq_length=32,
+                                    valid_fraction=cfg.dataloader.train.valid_fraction)
+    sampler = ResumableBatchSampler(len(train_ds), global_batch_size=8, micro_batch_size=2, seed=cfg.train.seed)
+    batch = collate(train_ds, sampler.global_batch(0))  # (8, 33)
+    with torch.no_grad():
+        logits = hf_model(batch[:, :-1]).logits
+    return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
+
+
+def test_gpt2_weights_from_transformers_train_under_tensor_parallelism(gpt2_hf_dir, tmp_path):
+    path, hf_model = gpt2_hf_dir
+    args = (*PARITY_ARGS, f"model.pretrained={path}")
+    ref = tmp_path / "single"
+    train(ref, args, recipe="gpt_debug")
+    first = losses(ref)[0]
+    assert first == pytest.approx(first_batch_loss(hf_model), rel=1e-5)  # the imported weights, not an init
+    out = tmp_path / "tp2"
+    assert_ok(run_dufu(out, 2, *args, TP2, config="gpt_debug"))
+    assert_same_run(out, ref, "GPT-2 from transformers, tp2")
