@@ -183,6 +183,10 @@ def execute(run: Run, timeout: float) -> Run:
             proc.wait()
             run.rc = -9
             f.write(f"\n[benchmark] killed after {timeout:.0f} s\n")
+        except BaseException:  # Ctrl-C: the job runs in its own session and would not see it
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            raise
     run.seconds = time.perf_counter() - t0
     if run.rc != 0:
         run.log_tail = log.read_text(errors="replace")[-3000:]
@@ -589,9 +593,14 @@ def observations(results: dict) -> list[str]:
     if ok:
         best = max(ok, key=lambda r: r["median_tokens_per_s"])
         worst = min(ok, key=lambda r: r["median_tokens_per_s"])
+        loads = [r["load_avg_before"] for r in rows]
+        cores = results["machine"]["cores"]
         obs.append(f"Throughput: fastest {best['layout']} ({best['median_tokens_per_s']:,.0f} tokens/s), slowest "
-                   f"{worst['layout']} ({worst['median_tokens_per_s']:,.0f}). {CORES} cores, 1 thread per process: "
-                   "up to 2 processes add cores, more only add communication and time-slicing.")
+                   f"{worst['layout']} ({worst['median_tokens_per_s']:,.0f}). {cores} cores, 1 thread per process: "
+                   f"up to {cores} processes add cores, more only add communication and time-slicing."
+                   + (f" Other jobs kept the load average at {min(loads):.1f}-{max(loads):.1f} during these runs "
+                      f"(on {cores} cores), so the rates carry their noise: only large gaps between layouts mean "
+                      "anything." if max(loads) > cores else ""))
         tp = [r for r in ok if r["tp"] > 1]
         rest = [r for r in ok if r["tp"] == 1]
         if tp and rest:
@@ -686,7 +695,18 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default=None, help="keep run directories and the dufu cache here")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every throughput process (default 1)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before one run is stopped")
+    ap.add_argument("--from-json", metavar="PATH", help="only re-render the .md report (and print it) from a results "
+                                                        ".json written by this script")
     args = ap.parse_args(argv)
+    if args.from_json:
+        path = Path(args.from_json)
+        results = json.loads(path.read_text())
+        results["observations"] = observations(results)
+        text = report(results)
+        path.write_text(json.dumps(results, indent=1) + "\n")
+        path.with_suffix(".md").write_text(text)
+        print(text)
+        return 0
 
     steps = args.steps or (6 if args.quick else 25)
     warmup = args.warmup if args.warmup is not None else (2 if args.quick else 5)

@@ -349,5 +349,5 @@ def pretrained_model(path: str | Path, architecture: Optional[str] = None, **ove
                                 "from a meta-device build to load a checkpoint into.")
             model.init_weights()  # buffers (e.g. rotary tables) and any tied tensor
     if not meta:
-        load_pretrained(model, path)
+        load_pretrained(model, path, check_sizes=False)  # built from the source's own config
     return model

@@ -66,7 +66,10 @@ def _define_jobs(pool: JobPool, root) -> None:
 
         pool.define(name, job)
 
-    simple("async_run", "dp2_tp2", "train.checkpointer.async_save=True")
+    # A save at every step (all kept), so that background saves overlap training steps often; a deadlock
+    # ends after 30 s.
+    simple("async_run", "dp2_tp2", "train.checkpointer.async_save=True", "train.checkpointer.period=1",
+           "train.checkpointer.max_to_keep=0", "train.dist.timeout_minutes=0.5")
     # ~1 ms: over after the first step. Rank 0's clock decides, for every rank.
     simple("stop_minutes", "dp2", "train.stop_after_minutes=1e-05")
     def kill_in_save(lay):

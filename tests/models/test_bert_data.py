@@ -121,3 +121,19 @@ def test_bert_debug_trains_in_one_process(tmp_path):
     evals = [r for r in run.records if "eval_loss" in r]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
     assert run.trainer.model_name == "BertForMaskedLM"
+    # The trained checkpoint exports to transformers (what `dufu convert --to-hf` would do for this family).
+    import dufu
+    from dufu.config import LazyConfig, instantiate
+    from dufu.engine.checkpoint import Checkpointer
+
+    transformers = pytest.importorskip("transformers")
+    ckpt = Checkpointer(tmp_path / "run" / "checkpoints").latest()
+    with torch.device("meta"):
+        shapes = instantiate(LazyConfig.load(str(ckpt / "config.yaml")).model)
+    state = Checkpointer(ckpt.parent).consolidated_model_state(ckpt)
+    dufu.save_pretrained(shapes, tmp_path / "hf", state_dict=state)
+    hf = transformers.AutoModelForMaskedLM.from_pretrained(tmp_path / "hf").eval()
+    x = torch.randint(0, 257, (2, 32))
+    trained = run.trainer.model.eval()
+    with torch.no_grad():
+        assert (hf(input_ids=x).logits - trained(input_ids=x).logits).abs().max().item() < 1e-4

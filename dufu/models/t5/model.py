@@ -146,6 +146,11 @@ class T5Stack(nn.Module):
 
 class _T5Base(nn.Module):
     main_input_name = "input_ids"
+    # No `pipeline_layout`: pipeline parallelism refuses the model with a LayoutError. The reason, for messages:
+    pipeline_unsupported_reason = (
+        "T5 is an encoder-decoder: a decoder stage needs the encoder output as well as its own hidden states, "
+        "but pipeline stages pass one tensor"
+    )
 
     def _init_common(self, vocab_size, d_model, d_kv, d_ff, num_layers, num_heads, feed_forward_proj,
                      relative_attention_num_buckets, relative_attention_max_distance, dropout_rate,
