@@ -16,6 +16,8 @@ commands:
                       train; CONFIG is a .py/.yaml file or a packaged recipe name (default: "default");
                       --nproc N starts N processes through torchrun (multi-node: --nnodes, --node-rank,
                       --master-addr, --master-port)
+  generate SOURCE --prompt TEXT
+                      sample text from a run/checkpoint or a Hugging Face directory (dufu generate -h)
   configs             list the packaged recipes
   convert CKPT (--to-hf DIR | --to-torch FILE.pt)
                       a sharded checkpoint (or a run's output_dir) as a Hugging Face directory or one file

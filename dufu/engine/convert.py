@@ -42,9 +42,8 @@ def to_torch(checkpoint: str | Path, out: str | Path) -> Path:
 
 
 def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
-    """Write config.json + model.safetensors that transformers' Auto classes load."""
-    from safetensors.torch import save_file
-
+    """Write config.json + model.safetensors that transformers' Auto classes load (every family with a
+    Hugging Face mapping in dufu.models.hub)."""
     ckpt = resolve_checkpoint(checkpoint)
     cfg_path = ckpt / "config.yaml"
     if not cfg_path.is_file():
@@ -52,22 +51,16 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path) -> Path:
     cfg = LazyConfig.load(str(cfg_path))
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    from dufu.models.gpt import GPTModel
+    from dufu.models import hub
 
-    if not isinstance(model, GPTModel):
-        raise DufuError(f"--to-hf supports {GPTModel.__name__} checkpoints so far, not {type(model).__name__}; "
-                        "use --to-torch for a consolidated state dict.")
-    from dufu.models.gpt import hf as gpt_hf
-
+    try:
+        hub.adapter_for_model(model)
+    except DufuError as e:
+        raise DufuError(f"--to-hf: {e} Use --to-torch for a consolidated state dict.") from None
     state = Checkpointer(ckpt.parent).consolidated_model_state(ckpt)
-    hf_state = gpt_hf.state_dict_to_hf(state, model.num_layers)
-    if model.tie_word_embeddings:
-        hf_state.pop("lm_head.weight")  # transformers re-ties it to the token embedding
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in hf_state.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    hf_config = gpt_hf.config_to_hf(model)
+    hub.save_pretrained(model, out_dir, state_dict=state)
+    hf_config = json.loads((out_dir / "config.json").read_text())
     tokenizer = ckpt.parent.parent / "tokenizer.json"  # saved by the trainer in output_dir
     hf_config["bos_token_id"] = hf_config["eos_token_id"] = None
     if tokenizer.is_file():

@@ -15,12 +15,17 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
             "model.hidden_size": getattr(model, "hidden_size", None),
             "model.vocab_size (padded)": getattr(model, "vocab_size", None),
         }
-        ffn = None
+        ffn = kv_heads = None
         for m in model.modules():
-            if hasattr(m, "fc1"):
+            if ffn is None and hasattr(m, "fc1"):
                 ffn = m.fc1.out_features
-                break
+            if ffn is None and hasattr(m, "gate_proj"):
+                ffn = m.gate_proj.out_features
+            if kv_heads is None and hasattr(m, "num_key_value_heads"):
+                kv_heads = m.num_key_value_heads
         sizes["model.ffn_hidden_size"] = ffn
+        if kv_heads is not None and kv_heads != sizes["model.num_attention_heads"]:
+            sizes["model.num_key_value_heads"] = kv_heads
         for key, value in sizes.items():
             if value is not None and value % tp != 0:
                 fix = (

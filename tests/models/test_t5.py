@@ -231,6 +231,22 @@ def test_transformers_parity_both_ways(cls_name, ff, tie, ours, batch, tmp_path)
         torch.testing.assert_close(back, got, rtol=1e-4, atol=1e-4)
 
 
+def test_a_head_of_its_own_unties_a_model_whose_config_says_tied(batch, tmp_path):
+    """transformers 5 writes tie_word_embeddings=True for every T5; a checkpoint with a different head wins."""
+    import json
+
+    hf = _hf_t5("T5ForConditionalGeneration", "gated-gelu", tie=False)
+    hf.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg.update(tie_word_embeddings=True, scale_decoder_outputs=False)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model = hub.from_pretrained(tmp_path).eval()
+    assert not model.tie_word_embeddings and model.lm_head.weight is not model.wte.weight
+    torch.testing.assert_close(model.wte.weight, hf.shared.weight)
+    torch.testing.assert_close(model.lm_head.weight, hf.lm_head.weight)
+    torch.testing.assert_close(_outputs(model, batch)[0], _outputs(hf, batch)[0], rtol=1e-4, atol=1e-4)
+
+
 def test_dufu_trained_weights_export_to_transformers(batch, tmp_path):
     """A dufu-initialised (not imported) model: transformers reads what dufu writes and agrees."""
     import transformers

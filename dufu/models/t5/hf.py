@@ -125,13 +125,17 @@ def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], model) -> dict[str, torch
         if theirs in hf_sd:
             out[name] = hf_sd[theirs]
     head = getattr(model, "lm_head", None)
-    if head is not None and "lm_head.weight" in hf_sd and model.tie_word_embeddings:
-        if not torch.equal(hf_sd["lm_head.weight"], hf_sd["shared.weight"]):
+    if head is None:
+        return out
+    if model.tie_word_embeddings:
+        out.pop("lm_head.weight", None)  # served by the embedding
+        if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["shared.weight"]):
+            # A head of its own: untie, and fill it here (the loader's name for it still is the embedding's).
             model.untie_weights()
-    if head is not None and not model.tie_word_embeddings and "lm_head.weight" not in hf_sd:
+            with torch.no_grad():
+                model.lm_head.weight.copy_(hf_sd["lm_head.weight"])
+    elif "lm_head.weight" not in hf_sd:
         out["lm_head.weight"] = hf_sd["shared.weight"]
-    if head is not None and model.tie_word_embeddings:
-        out.pop("lm_head.weight", None)
     return out
 
 
