@@ -17,6 +17,7 @@ model.update(
 )
 tokenization.tokenizer.vocab_size = 2048
 dataloader.train.seq_length = 128
+dataloader.train.valid_fraction = 0.15  # enough held-out text for a few global batches
 
 optim.lr = 2e-3
 train.update(

@@ -1,5 +1,5 @@
 # A small ViT trained from scratch on the handwritten digits in well under a minute of CPU time: images
-# resized to 16 x 16, 2 x 2 patches (64 patches + [CLS]), 2 layers, hidden 64, 4 heads. Reaches about 95%
+# resized to 16 x 16, 2 x 2 patches (64 patches + [CLS]), 2 layers, hidden 64, 4 heads. Reaches about 97%
 # validation accuracy after 600 steps of 32 images (chance: 10%).
 from .common.data.digits import dataloader, tokenization
 from .common.models.vit import model

@@ -80,10 +80,18 @@ def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
     tokenizer = instantiate(cfg.tokenization.tokenizer)
     train_ds, valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # fills the data cache
     check_validation_set(cfg, valid_ds, dims.data_parallel_size * t.train_micro_batch_size * accum)
-    seq_length = train_ds[0].shape[0] - 1
+    seq_length = getattr(train_ds, "seq_length", None) or train_ds[0].shape[0] - 1
     with torch.device("meta"):
         model = build_model(cfg, tokenizer, seq_length)
     validate_layout(dims, model, t.dist, t.zero_optimization, seq_length, accum)
+
+
+def _looks_distributed(e: BaseException) -> bool:
+    """A failure of communication with other ranks (as opposed to a bug on this rank)."""
+    if isinstance(e, dist.DistError):
+        return True
+    text = str(e).lower()
+    return any(w in text for w in ("gloo", "nccl", "timed out", "timeout", "connection", "peer", "socket"))
 
 
 def check_validation_set(cfg, valid_ds, global_batch_size: int) -> None:
@@ -156,7 +164,7 @@ class Trainer:
         torch.manual_seed(t.seed)
         self.tokenizer = instantiate(cfg.tokenization.tokenizer)
         self.train_ds, self.valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=self.tokenizer))
-        self.seq_length = self.train_ds[0].shape[0] - 1
+        self.seq_length = getattr(self.train_ds, "seq_length", None) or self.train_ds[0].shape[0] - 1
         check_validation_set(cfg, self.valid_ds, self.global_batch_size)
         model = build_model(self.cfg, self.tokenizer, self.seq_length)  # full model, initialised identically on every rank (same seed)
         stage_ids = validate_layout(self.dims, model, t.dist, t.zero_optimization, self.seq_length,
@@ -516,6 +524,8 @@ class Trainer:
         except DufuError:
             raise
         except (RuntimeError, dist.DistError) as e:
+            if not _looks_distributed(e):
+                raise
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             timeout = self.cfg.train.dist.get("timeout_minutes", 10.0)
             raise DistributedFailure(

@@ -111,11 +111,13 @@ class HFAutoModel(nn.Module):
         if hasattr(hf_config, "use_cache"):
             hf_config.use_cache = False  # training: no key/value cache objects in forward
         meta = torch.empty(0).is_meta
+        # fp32 parameters whatever dtype the checkpoint was saved in: AMP casts per op, the optimizer keeps fp32.
+        dtype_kw = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
         if path is not None and load_weights and not meta:
             self.hf = factory.from_pretrained(str(path), config=hf_config, local_files_only=True,
-                                              attn_implementation=attn_implementation, dtype=torch.float32)
+                                              attn_implementation=attn_implementation, **dtype_kw)
         else:
-            self.hf = factory.from_config(hf_config, attn_implementation=attn_implementation, dtype=torch.float32)
+            self.hf = factory.from_config(hf_config, attn_implementation=attn_implementation, **dtype_kw)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.model_type = hf_config.model_type
         self.vocab_size = getattr(text, "vocab_size", None)

@@ -10,6 +10,14 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
     """Raise LayoutError for a layout the model cannot take; return the layer -> stage ids under PP."""
     tp = dims.tensor_parallel_size
     if tp > 1:
+        from dufu.parallel.tensor_parallel import tensor_parallel_plan
+
+        if not tensor_parallel_plan(model, bool(dist_cfg.get("sequence_parallel")), head=getattr(model, "lm_head", None)):
+            raise LayoutError(
+                f"tensor parallelism needs a model built from dufu layers (they declare how they split), but "
+                f"{type(model).__name__} declares no tensor-parallel style, so tensor_parallel_size {tp} would "
+                "only replicate it. Use data parallelism / ZeRO for this model, or a dufu model family."
+            )
         sizes = {
             "model.num_attention_heads": getattr(model, "num_attention_heads", None),
             "model.hidden_size": getattr(model, "hidden_size", None),
@@ -64,6 +72,11 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
     multi = SCHEDULES[schedule][1]
     if pp == 1:
         return None
+    if getattr(model, "pipeline_layout", None) is None:
+        raise LayoutError(
+            f"{type(model).__name__} cannot be split into pipeline stages: it declares no `pipeline_layout` "
+            "(dufu model families do). Use data/tensor parallelism or ZeRO, i.e. pipeline_parallel_size=1."
+        )
     if multi and v < 2:
         raise LayoutError(
             f"the {schedule} schedule runs several stages per rank: set train.dist.virtual_pipeline_size to 2 or "

@@ -58,6 +58,15 @@ def total_grad_norm(parameters, pp_group=None, skip=()) -> torch.Tensor:
         sq = sq + norm.float().to(sq.device) ** 2
     if pp_group is not None:
         dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=pp_group)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        # Replicated gradients (data parallelism without ZeRO) are normed without a collective, so a
+        # non-finite gradient on one rank only (a faulty device, a bad kernel) would be seen by that rank
+        # alone: it would stop or skip the update while the others step on (hang, or diverged replicas).
+        # One flag, reduced over all ranks, makes the verdict the same everywhere.
+        bad = (~torch.isfinite(sq)).to(torch.float32).reshape(1)
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX)
+        if bad.item() > 0:
+            sq = torch.full_like(sq, float("nan"))
     return sq.sqrt()
 
 

@@ -28,7 +28,7 @@ def test_a_rank_that_dies_stops_the_whole_job(jobs):
     assert proc.returncode != 0, proc.describe()
     assert sorted(train_records(proc.output_dir)) == [1, 2]
     assert seconds_after_last_log(proc) < 60, proc.describe()
-    assert proc.seconds < 120, proc.describe()
+    assert proc.seconds < 300, proc.describe()
     assert not [n for n in checkpoint_names(proc.output_dir) if n.startswith("step_")]
 
 
@@ -59,15 +59,6 @@ def test_a_restarted_job_resumes_from_the_last_checkpoint_and_finishes(jobs, ref
 
 # ----------------------------------------------------------------------------- non-finite gradients
 
-NAN_DP_REASON = (
-    "under pure data parallelism the non-finite check is local: clip_grad_norm_ (dufu/parallel/grads.py) "
-    "computes the norm of replicated gradients without a collective, so only the rank with the NaN sees "
-    "it. nan_policy=stop: that rank alone enters _non_finite_message's all_gather_object and the job hangs "
-    "until train.dist.timeout_minutes, with no parameter named; nan_policy=skip: only that rank skips the "
-    "update and the replicas silently diverge"
-)
-
-
 @pytest.fixture(scope="session")
 def skip_reference(tmp_path_factory, dufu_cache_dir) -> dict[int, dict]:
     """One process, the same 5 steps with step 3's NaN gradient skipped: the records every layout must log."""
@@ -97,7 +88,7 @@ def check_nan_stop(proc, reference) -> None:
     assert "step 3" in message, proc.describe()
     named = [n for n in parameter_names(reference) if re.search(rf"\b{re.escape(n)}\b", message)]
     assert named and "inf/NaN" in message, message
-    assert proc.seconds < 120, proc.describe()
+    assert seconds_after_last_log(proc) < 60, proc.describe()  # no rank waits for a collective timeout
 
 
 def check_nan_skip(proc, skip_reference) -> None:
@@ -112,23 +103,20 @@ def check_nan_skip(proc, skip_reference) -> None:
     assert [r["step"] for r in records(proc.output_dir)] == [1, 2, 3, 4, 5]
 
 
-@pytest.mark.checkpoint_jobs("nan_stop_tp2")
-def test_nan_stop_names_the_step_and_a_parameter(jobs, reference):
-    check_nan_stop(jobs.result("nan_stop_tp2"), reference)
+# tp 2: the gradient norm is reduced over the tensor-parallel ranks anyway; dp 2: replicated gradients,
+# whose norm every rank computes alone, so the ranks must agree on the verdict explicitly.
+NAN_LAYOUTS = ("tp2", "dp2")
 
 
-@pytest.mark.checkpoint_jobs("nan_skip_tp2")
-def test_nan_skip_drops_the_update_on_every_rank(jobs, skip_reference):
-    check_nan_skip(jobs.result("nan_skip_tp2"), skip_reference)
+@pytest.mark.parametrize(
+    "lay", [pytest.param(x, marks=pytest.mark.checkpoint_jobs(f"nan_stop_{x}")) for x in NAN_LAYOUTS]
+)
+def test_nan_stop_names_the_step_and_a_parameter(lay, jobs, reference):
+    check_nan_stop(jobs.result(f"nan_stop_{lay}"), reference)
 
 
-@pytest.mark.xfail(strict=True, reason=NAN_DP_REASON)
-@pytest.mark.checkpoint_jobs("nan_stop_dp2")
-def test_nan_stop_names_the_step_and_a_parameter_under_data_parallelism(jobs, reference):
-    check_nan_stop(jobs.result("nan_stop_dp2"), reference)
-
-
-@pytest.mark.xfail(strict=True, reason=NAN_DP_REASON)
-@pytest.mark.checkpoint_jobs("nan_skip_dp2")
-def test_nan_skip_drops_the_update_on_every_rank_under_data_parallelism(jobs, skip_reference):
-    check_nan_skip(jobs.result("nan_skip_dp2"), skip_reference)
+@pytest.mark.parametrize(
+    "lay", [pytest.param(x, marks=pytest.mark.checkpoint_jobs(f"nan_skip_{x}")) for x in NAN_LAYOUTS]
+)
+def test_nan_skip_drops_the_update_on_every_rank(lay, jobs, skip_reference):
+    check_nan_skip(jobs.result(f"nan_skip_{lay}"), skip_reference)

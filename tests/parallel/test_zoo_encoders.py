@@ -27,7 +27,7 @@ LAYOUTS = {
 }
 # Post-LayerNorm blocks add a norm's output to the attention output: under sequence parallelism both must be
 # local shards, which needs dufu.parallel's norms to return local tensors (SequenceParallel(use_local_output=True)).
-PENDING = {"bert-tp2-sp": "needs SequenceParallel(use_local_output=True) for norms in dufu.parallel.tensor_parallel"}
+PENDING: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")

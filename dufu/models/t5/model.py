@@ -183,7 +183,7 @@ class _T5Base(nn.Module):
         self.tie_weights()
         f = self.initializer_factor
         d, inner = self.d_model, self.num_attention_heads * self.d_kv
-        for name, module in self.named_modules():
+        for module in self.modules():
             if isinstance(module, Attention):
                 nn.init.normal_(module.q_proj.weight, std=f * (d * self.d_kv) ** -0.5)
                 nn.init.normal_(module.k_proj.weight, std=f * d ** -0.5)
@@ -191,9 +191,8 @@ class _T5Base(nn.Module):
                 nn.init.normal_(module.out_proj.weight, std=f * inner ** -0.5)
             elif isinstance(module, (MLP, GatedMLP)):
                 for lin in module.children():
-                    if isinstance(lin, nn.Linear):
-                        fan_in = lin.in_features
-                        nn.init.normal_(lin.weight, std=f * fan_in ** -0.5)
+                    if isinstance(lin, nn.Linear):  # wi: d_model^-1/2, wo: d_ff^-1/2
+                        nn.init.normal_(lin.weight, std=f * lin.in_features ** -0.5)
             elif isinstance(module, HeadwiseEmbedding):
                 nn.init.normal_(module.weight, std=f * d ** -0.5)
             elif isinstance(module, VocabEmbedding):
