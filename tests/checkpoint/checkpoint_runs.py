@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys

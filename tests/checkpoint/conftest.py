@@ -72,6 +72,7 @@ def _define_jobs(pool: JobPool, root) -> None:
            "train.checkpointer.max_to_keep=0", "train.dist.timeout_minutes=0.5")
     # ~1 ms: over after the first step. Rank 0's clock decides, for every rank.
     simple("stop_minutes", "dp2", "train.stop_after_minutes=1e-05")
+
     def kill_in_save(lay):
         def job(pool):
             """SIGKILL the job while it saves step 10 (shards written, not committed); keep a copy of the
@@ -146,8 +147,3 @@ def reference(tmp_path_factory, dufu_cache_dir):
     from dufu_testing import train
 
     return train(tmp_path_factory.mktemp("checkpoint_reference") / "run", COMMON)
-
-
-@pytest.fixture(scope="session")
-def reference_losses(reference) -> dict[int, float]:
-    return reference.losses

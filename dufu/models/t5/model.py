@@ -151,6 +151,11 @@ class _T5Base(nn.Module):
         "T5 is an encoder-decoder: a decoder stage needs the encoder output as well as its own hidden states, "
         "but pipeline stages pass one tensor"
     )
+    # Sequence parallelism is not supported either: the relative bias and the cross-attention keys need the
+    # whole sequence, while SP hands each block a sequence shard. A start-up check can refuse it with this:
+    sequence_parallel_unsupported_reason = (
+        "T5's relative position bias and its cross-attention need the whole sequence in every block"
+    )
 
     def _init_common(self, vocab_size, d_model, d_kv, d_ff, num_layers, num_heads, feed_forward_proj,
                      relative_attention_num_buckets, relative_attention_max_distance, dropout_rate,

@@ -85,6 +85,7 @@ class ViTForImageClassification(nn.Module):
 
     pipeline_layout = {"blocks": "blocks", "first": ("embeddings",), "last": ("norm", "classifier")}
     main_input_name = "pixel_values"
+    sequence_parallel_unsupported_reason = "ViT's 1 + N positions ([CLS] + patches) are not split across ranks"
 
     def __init__(
         self,
