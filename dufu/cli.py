@@ -94,7 +94,8 @@ def launch(args, config, overrides, cfg) -> int:
     from dufu.engine.trainer import preflight
 
     nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
-    preflight(cfg, world_size=args.nproc * nnodes, resume=args.resume or bool(args.max_restarts))
+    preflight(cfg, world_size=args.nproc * nnodes,
+              resume=True if args.resume else ("auto" if args.max_restarts else False))
     argv = ([config] if config else []) + overrides
     if args.resume or args.max_restarts:
         # A restarted worker group must continue from the last complete checkpoint, not start over.

@@ -64,7 +64,13 @@ class SafeFileSystemReader(FileSystemReader):
     def read_metadata(self, *args, **kwargs):
         path = self._get_metadata_path(kwargs.get("rank"))
         with self.fs.create_stream(path, "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
+            try:
+                metadata = _MetadataUnpickler(f).load()
+            except Exception as e:
+                raise CheckpointError(
+                    f"checkpoint metadata {path} cannot be read: {e}. It is corrupt or was not written by "
+                    "torch.distributed.checkpoint; use another checkpoint."
+                ) from None
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()
         metadata.storage_meta.load_id = self.load_id
@@ -127,9 +133,21 @@ def _fsync_dir(path: Path) -> None:
         pass
 
 
+def _describe_load_failure(path: Path, e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    if "refusing to load" in text or "cannot be read" in text:
+        return f"checkpoint {path}: {text[:600]}"
+    return (f"could not load checkpoint {path}: {text[-400:] or type(e).__name__}. The checkpoint may belong to "
+            "a different model; check model.* in the config.")
+
+
 class Checkpointer:
-    def __init__(self, root: str | Path, max_to_keep: Optional[int] = None, rank: int = 0, async_save: bool = False):
+    def __init__(self, root: str | Path, max_to_keep: Optional[int] = None, rank: int = 0, async_save: bool = False,
+                 async_group=None):
         self.root = Path(root)
+        # Background saves run their own collectives (planning, barriers): on a dedicated group they cannot
+        # interleave with the training thread's collectives on the default group.
+        self.async_group = async_group
         self.max_to_keep = max_to_keep
         self.rank = rank
         self.async_save = async_save
@@ -174,7 +192,8 @@ class Checkpointer:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             if self.async_save:
-                future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+                future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
+                                        process_group=self.async_group)
                 self._pending = (future, tmp, final, meta)
                 return final
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
@@ -267,8 +286,13 @@ class Checkpointer:
         state: dict = {}
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore")
-            _load_state_dict(state, storage_reader=SafeFileSystemReader(str(path)), planner=_Planner(keys={"model"}),
-                             no_dist=True)
+            try:
+                _load_state_dict(state, storage_reader=SafeFileSystemReader(str(path)),
+                                 planner=_Planner(keys={"model"}), no_dist=True)
+            except CheckpointError:
+                raise
+            except BaseException as e:  # torch's CheckpointException wraps per-rank failures
+                raise CheckpointError(_describe_load_failure(path, e)) from None
         return state["model"]
 
     @staticmethod
@@ -310,11 +334,12 @@ class Checkpointer:
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             try:
                 dcp.load(state, storage_reader=SafeFileSystemReader(str(path)), planner=SafeLoadPlanner())
-            except Exception as e:  # DCP raises CheckpointException with per-rank details
-                raise CheckpointError(
-                    f"could not load checkpoint {path}: {str(e).strip().splitlines()[-1] if str(e).strip() else e!r}. "
-                    "The checkpoint may belong to a different model; check model.* in the config."
-                ) from e
+            except CheckpointError:
+                raise
+            except BaseException as e:  # DCP raises CheckpointException (not an Exception) with per-rank details
+                if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                    raise
+                raise CheckpointError(_describe_load_failure(path, e)) from None
         for group, old, new in renames:
             state[group][old] = state[group].pop(new)
         for part, opt, (mkeys, okeys) in zip(parts, optims, keys):

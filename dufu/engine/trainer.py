@@ -77,6 +77,16 @@ def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
                                       dims.data_parallel_size)
     if not resume:
         _check_fresh_output_dir(Path(t.output_dir))
+    elif resume is True:
+        # Verify the checkpoint here, once, before any worker starts: a damaged file is then one clear error.
+        ckpts = Checkpointer(Path(t.output_dir) / "checkpoints")
+        latest = ckpts.latest()
+        if latest is None:
+            raise DufuError(
+                f"--resume was given but {ckpts.root} holds no complete checkpoint. "
+                "Check train.output_dir, or start the run without --resume."
+            )
+        ckpts.verify(latest)
     tokenizer = instantiate(cfg.tokenization.tokenizer)
     train_ds, valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # fills the data cache
     check_validation_set(cfg, valid_ds, dims.data_parallel_size * t.train_micro_batch_size * accum)
@@ -174,6 +184,8 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         # A gloo group used only to find unresponsive ranks when a collective fails (works beside NCCL too).
         self.health_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
+        if self.world_size > 1 and self.checkpointer.async_save:
+            self.checkpointer.async_group = dist.new_group(backend="gloo")
         coord = self.mesh.get_coordinate() if self.mesh is not None else [0, 0, 0]
         self.pp_rank, self.dp_rank, self.tp_rank = coord
         self.flops_per_token = flops_per_token(

@@ -19,13 +19,6 @@ from checkpoint_runs import (
 
 STEP5, STEP10 = "step_0000005", "step_0000010"
 
-ASYNC_DEADLOCK = (
-    "Checkpointer.save passes no process_group to dcp.async_save, so the background save's collectives "
-    "(plan gather, barriers) run on the default group while the training thread's collectives (e.g. "
-    "reduce_loss's all_reduce) use it too; they interleave differently on different ranks and the job "
-    "deadlocks until train.dist.timeout_minutes (3 of 3 runs with a save every step; not strict: a race). "
-    "A dedicated gloo group for the async save fixes it"
-)
 
 # The single-process background save warns (from its own thread) that it runs without a process group.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -80,7 +73,6 @@ def async_run(jobs):
     return proc
 
 
-@pytest.mark.xfail(strict=False, reason=ASYNC_DEADLOCK)
 @pytest.mark.checkpoint_jobs("async_run", "run_b")
 def test_multi_process_async_checkpoint_holds_exactly_the_state_of_its_step(jobs):
     proc = async_run(jobs)
@@ -99,7 +91,6 @@ def test_multi_process_async_checkpoint_holds_exactly_the_state_of_its_step(jobs
     assert [got[s]["loss"] for s in range(1, 6)] == [sync[s]["loss"] for s in range(1, 6)]
 
 
-@pytest.mark.xfail(strict=False, reason=ASYNC_DEADLOCK)
 @pytest.mark.checkpoint_jobs("async_run")
 def test_multi_process_async_run_matches_the_single_process_run_and_resumes(jobs, reference, tmp_path, capsys):
     from dufu.cli import main

@@ -112,10 +112,6 @@ def test_a_flipped_byte_is_a_checkpoint_error_naming_the_file(jobs, tmp_path):
     assert not (tmp_path / "x.pt").exists()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a multi-process resume finds the damage only inside the workers: torchrun then exits 1 with its own "
-    "ChildFailedError traceback, and a rank's message can be lost when torchrun SIGTERMs it first; the "
-    "launcher's preflight does not verify the checkpoint"))
 @pytest.mark.checkpoint_jobs("corrupt_resume_dp2")
 def test_a_flipped_byte_stops_a_multi_process_resume_cleanly(jobs):
     shard, proc = jobs.result("corrupt_resume_dp2")
@@ -193,10 +189,6 @@ def test_loading_never_runs_code_planted_in_the_trainer_state(jobs, tmp_path):
     assert not marker.exists()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the refusal escapes as a raw pickle.UnpicklingError (resume: Checkpointer._tied_renames reads the "
-    "metadata outside the try) or torch's CheckpointException (convert: consolidated_model_state does not "
-    "wrap it): a traceback and exit 1 instead of a CheckpointError naming the .metadata file and exit 2"))
 @pytest.mark.checkpoint_jobs("run_b")
 def test_code_planted_in_the_metadata_is_reported_as_a_checkpoint_error(jobs, tmp_path, capsys):
     from dufu.cli import main
@@ -214,11 +206,6 @@ def test_code_planted_in_the_metadata_is_reported_as_a_checkpoint_error(jobs, tm
 # ------------------------------------------------------------------------- a checkpoint of another model
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Checkpointer.load wraps dcp.load in `except Exception`, but torch's CheckpointException derives from "
-    "BaseException, so a checkpoint that does not fit the model escapes as a raw CheckpointException "
-    "(traceback, exit 1) instead of the CheckpointError 'could not load checkpoint ... may belong to a "
-    "different model'"))
 def test_resuming_a_checkpoint_of_another_model_is_a_checkpoint_error(reference, tmp_path):
     out = tmp_path / "run"
     shutil.copytree(reference.output_dir, out)
