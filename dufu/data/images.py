@@ -23,20 +23,14 @@ import torch.nn.functional as F
 
 from dufu.errors import DataError
 
-from .sampler import Sample
-
-
-class ImageSample(Sample):
-    """One image and its label. For the trainer's sizing (which counts ``seq_length`` positions per sample,
-    ``shape[0] - 1``), an image is one position: throughput then reads as images per second."""
-
-    @property
-    def shape(self) -> tuple[int]:
-        return (2,)
 
 
 class ImageClassificationDataset:
-    """``dataset[i]`` -> ``{"pixel_values": float32 (C, H, W), "labels": int64}``, images held in memory."""
+    """``dataset[i]`` -> ``{"pixel_values": float32 (C, H, W), "labels": int64}``, images held in memory.
+
+    ``seq_length`` is what the trainer counts per sample for throughput: one image (tokens/s read as images/s)."""
+
+    seq_length = 1
 
     def __init__(self, pixel_values: np.ndarray, labels: np.ndarray, num_classes: int):
         if len(pixel_values) != len(labels):
@@ -48,9 +42,9 @@ class ImageClassificationDataset:
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, i: int) -> ImageSample:
+    def __getitem__(self, i: int) -> dict:
         i = int(i)
-        return ImageSample(pixel_values=self.pixel_values[i], labels=self.labels[i])
+        return {"pixel_values": self.pixel_values[i], "labels": self.labels[i]}
 
     def __repr__(self) -> str:
         return (f"ImageClassificationDataset({len(self)} images of shape {tuple(self.pixel_values.shape[1:])}, "

@@ -117,6 +117,7 @@ class SpanCorruptionDataset:
         self.mean_noise_span_length = mean_noise_span_length
         self.seed = seed
         self.inputs_length, self.targets_length = corrupted_lengths(tokens_length, noise_density, mean_noise_span_length)
+        self.seq_length = self.inputs_length  # the encoder positions per sample (the trainer's sizing)
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -134,9 +134,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _describe_load_failure(path: Path, e: BaseException) -> str:
+    # torch's CheckpointException carries each rank's own exception: prefer dufu's own message.
+    for wrapped in getattr(e, "failures", {}).values():
+        inner = wrapped[0] if isinstance(wrapped, tuple) else wrapped
+        if isinstance(inner, CheckpointError):
+            return str(inner)
     text = " ".join(str(e).split())
-    if "refusing to load" in text or "cannot be read" in text:
-        return f"checkpoint {path}: {text[:600]}"
+    import re
+
+    # DCP re-raises a rank's error as text inside its own; recover dufu's message from it.
+    found = re.search(r"(checkpoint metadata \S+ cannot be read: .*?use another checkpoint\.)", text)
+    if found:
+        return found.group(1)
     return (f"could not load checkpoint {path}: {text[-400:] or type(e).__name__}. The checkpoint may belong to "
             "a different model; check model.* in the config.")
 
