@@ -23,9 +23,9 @@ The three implementations train the same architecture (GPT-2 small: 12 layers, h
 
 All three losses are the mean fp32 cross entropy of next-token logits over the same T positions (the ``hf``
 loop computes it from ``logits`` rather than through ``labels=``, which would drop the last position).
-The plain loops use a constant learning rate where dufu's config warms it up: that changes the numbers of the
-update, not its work. ``plain`` and ``hf`` start from a copy of the dufu model's weights, and the script checks that the three
-first losses agree before it times anything.
+The plain loops use a constant learning rate where dufu's config warms it up: that changes the numbers of
+the update, not its work. ``plain`` and ``hf`` start from a copy of the dufu model's weights, and the script
+checks that the three first losses agree before it times anything.
 
 Timing: per dtype phase, every implementation is built fresh, then ``--warmup`` steps each, then ``--steps``
 timed steps each, interleaved round robin with the starting implementation rotating from round to round, so

@@ -34,6 +34,15 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
         sizes["model.ffn_hidden_size"] = ffn
         if kv_heads is not None and kv_heads != sizes["model.num_attention_heads"]:
             sizes["model.num_key_value_heads"] = kv_heads
+        from dufu.layers.attention import Attention
+        from dufu.layers.embedding import HeadwiseEmbedding
+
+        for name, m in model.named_modules():  # per module: Swin has a different head count per stage
+            if isinstance(m, Attention):
+                sizes.setdefault(f"heads of {name}", m.num_heads)
+                sizes.setdefault(f"key/value heads of {name}", m.num_key_value_heads)
+            elif isinstance(m, HeadwiseEmbedding):
+                sizes.setdefault(f"heads of {name}", m.embedding_dim)
         for key, value in sizes.items():
             if value is not None and value % tp != 0:
                 fix = (
@@ -49,7 +58,12 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
                 f"sequence parallelism splits the sequence across tensor-parallel ranks, but seq_length "
                 f"{seq_length} / {tp} is not whole. Use a sequence length divisible by {tp}."
             )
-    elif dist_cfg.get("sequence_parallel"):
+    if dist_cfg.get("sequence_parallel") and getattr(model, "sequence_parallel_unsupported_reason", ""):
+        raise LayoutError(
+            f"{type(model).__name__} does not support sequence parallelism: "
+            f"{model.sequence_parallel_unsupported_reason} Set train.dist.sequence_parallel=False."
+        )
+    if tp == 1 and dist_cfg.get("sequence_parallel"):
         raise LayoutError(
             "train.dist.sequence_parallel=True needs tensor parallelism (it splits the sequence across the "
             "tensor-parallel ranks), but tensor_parallel_size is 1. Set train.dist.tensor_parallel_size > 1 or "
@@ -73,9 +87,10 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
     if pp == 1:
         return None
     if getattr(model, "pipeline_layout", None) is None:
+        reason = getattr(model, "pipeline_unsupported_reason", "") or "it declares no `pipeline_layout`."
         raise LayoutError(
-            f"{type(model).__name__} cannot be split into pipeline stages: it declares no `pipeline_layout` "
-            "(dufu model families do). Use data/tensor parallelism or ZeRO, i.e. pipeline_parallel_size=1."
+            f"{type(model).__name__} cannot be split into pipeline stages: {reason} "
+            "Use data/tensor parallelism or ZeRO, i.e. pipeline_parallel_size=1."
         )
     if multi and v < 2:
         raise LayoutError(

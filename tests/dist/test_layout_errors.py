@@ -144,7 +144,9 @@ def test_tp_not_dividing_hidden_size():
 
         def __init__(self):
             super().__init__()
-            self.proj = nn.Linear(66, 66)
+            from dufu.layers import Linear
+
+            self.proj = Linear(66, 66, parallel="col")
 
     dims = ParallelDims(tensor_parallel_size=4, world_size=4)
     with pytest.raises(LayoutError, match=r"model.hidden_size across ranks, but 66 / tensor_parallel_size 4 = 16.5"):
