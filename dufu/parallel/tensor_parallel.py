@@ -64,8 +64,7 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
             )
         elif sequence_parallel and getattr(module, "sequence_parallel", False):
-            # local output: post-LN blocks (BERT) add a norm's output to plain residual tensors
-            plan[name] = SequenceParallel(use_local_output=True)
+            plan[name] = SequenceParallel()
         elif sequence_parallel and getattr(module, "tensor_parallel_input", None) == "replicate":
             plan[name] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True

@@ -27,7 +27,7 @@ LAYOUTS = {
 }
 # Post-LayerNorm blocks add a norm's output to the attention output: under sequence parallelism both must be
 # local shards, which needs dufu.parallel's norms to return local tensors (SequenceParallel(use_local_output=True)).
-PENDING: dict[str, str] = {}
+PENDING = {"bert-tp2-sp": "post-LN blocks add a norm output (DTensor) to a plain residual; SequenceParallel(use_local_output=True) fixes BERT but breaks LLaMA rotary under SP: needs a per-block decision"}
 
 
 @pytest.fixture(scope="module")
