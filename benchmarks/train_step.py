@@ -32,8 +32,8 @@ timed steps each, interleaved round robin with the starting implementation rotat
 slow drift of a noisy machine hits all three alike. The median step time gives tokens/s. MFU uses dufu's
 formula for all three (``dufu.engine.flops``: ``6 N + 12 L H T`` FLOPs per token, N from
 ``count_matmul_params`` of the dufu model) and the device peak of ``device_peak_flops(device, dtype)``
-(on a CPU a measured best large-matmul throughput, re-measured each run since ``DUFU_CACHE_DIR`` is a
-temporary directory).
+(on a CPU the best large-matmul throughput measured during this run: dufu measures at every call and keeps
+the best value in ``DUFU_CACHE_DIR``, which is a temporary directory here).
 
 Results go to ``benchmarks/results/train_step-<YYYY-MM-DD>.json`` and ``.md`` (not for ``--quick`` unless
 ``--results-dir`` is given).
@@ -535,9 +535,10 @@ def main(argv=None) -> int:
             "are competing for them and the step times will be noisy")
     warm_up_cpu()
     device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    for d in args.dtypes:  # measured (CPU) and cached now, on an idle process; the trainers reuse the cached value
-        peak, source = device_peak_flops(device, DTYPES[d] or torch.float32)
-        log(f"peak {d}: {source}")
+    for d in args.dtypes:
+        # On a CPU dufu measures the peak at every call and keeps the best value seen (in DUFU_CACHE_DIR, here
+        # this run's temporary directory): one measurement now, one per Trainer, one after each phase.
+        device_peak_flops(device, DTYPES[d] or torch.float32)
     phases = []
     with tempfile.TemporaryDirectory(prefix="dufu-bench-run-") as work:
         for d in args.dtypes:
@@ -548,6 +549,8 @@ def main(argv=None) -> int:
     info["load_average_at_end"] = [round(x, 2) for x in os.getloadavg()]
     tab = table(phases)
     verdict = verdicts(phases)
+    if q:
+        verdict = [f"{v} (--quick: a smoke run of a tiny model, not a measurement)" for v in verdict]
     peaks = [f"{ph['dtype']}: {ph['peak_source']}" for ph in phases]
     log("")
     log(f"batch {args.batch} x sequence {args.seq} = {tokens:,} tokens/step, median of {args.steps} steps after "
