@@ -80,13 +80,7 @@ def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
     elif resume is True:
         # Verify the checkpoint here, once, before any worker starts: a damaged file is then one clear error.
         ckpts = Checkpointer(Path(t.output_dir) / "checkpoints")
-        latest = ckpts.latest()
-        if latest is None:
-            raise DufuError(
-                f"--resume was given but {ckpts.root} holds no complete checkpoint. "
-                "Check train.output_dir, or start the run without --resume."
-            )
-        ckpts.verify(latest)
+        ckpts.verify(_latest_for_resume(ckpts))
     tokenizer = instantiate(cfg.tokenization.tokenizer)
     train_ds, valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # fills the data cache
     check_validation_set(cfg, valid_ds, dims.data_parallel_size * t.train_micro_batch_size * accum)
@@ -137,6 +131,17 @@ def build_model(cfg, tokenizer, seq_length: int) -> torch.nn.Module:
             "lower dataloader.train.seq_length or raise model.max_position_embeddings."
         )
     return model
+
+
+def _latest_for_resume(checkpointer: Checkpointer) -> Path:
+    """The newest complete checkpoint, or the error that --resume has nothing to resume."""
+    latest = checkpointer.latest()
+    if latest is None:
+        raise DufuError(
+            f"--resume was given but {checkpointer.root} holds no complete checkpoint. "
+            "Check train.output_dir, or start the run without --resume."
+        )
+    return latest
 
 
 def _check_fresh_output_dir(output_dir: Path) -> None:
@@ -228,12 +233,7 @@ class Trainer:
         if resume == "auto":
             return latest
         if resume:
-            if latest is None:
-                raise DufuError(
-                    f"--resume was given but {self.checkpointer.root} holds no complete checkpoint. "
-                    "Check train.output_dir, or start the run without --resume."
-                )
-            return latest
+            return _latest_for_resume(self.checkpointer)
         _check_fresh_output_dir(self.output_dir)
         return None
 
