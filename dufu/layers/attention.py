@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dufu.layers.linear import Linear
-from dufu.layers.rotary import apply_rotary
+from dufu.layers.rotary import RotaryEmbedding, apply_rotary
 
 
 class KVCache:
@@ -99,15 +99,20 @@ class Attention(nn.Module):
         self,
         x: torch.Tensor,
         attention_mask: Optional[torch.Tensor] = None,
-        rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        rotary: Optional[RotaryEmbedding] = None,
+        position_ids: Optional[torch.Tensor] = None,
         position_bias: Optional[torch.Tensor] = None,
         kv: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
         """x (B, T, C). ``attention_mask``: (B, T_k) padding mask (1 keep) or an additive bias broadcastable
-        to (B, nh, T, T_k). ``rotary``: (cos, sin) for the T positions of x. ``position_bias``: additive
-        (1|B, nh_local, T, T_k). ``kv``: the sequence to attend to (cross-attention); its keys/values are
-        computed once and cached when ``kv_cache`` is given."""
+        to (B, nh, T, T_k). ``rotary``: the rotary embedding that turns q and k by the angles of
+        ``position_ids`` (B|1, T); they default to ``past .. past + T - 1``, past being the length already in
+        ``kv_cache``. The angles are taken here, where x holds the whole sequence: under sequence parallelism
+        the caller holds only a shard of it (the input of this module is gathered, see
+        ``tensor_parallel_input``). ``position_bias``: additive (1|B, nh_local, T, T_k). ``kv``: the sequence
+        to attend to (cross-attention); its keys/values are computed once and cached when ``kv_cache`` is
+        given."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
         if kv is not None and kv_cache is not None and kv_cache.get(self) is not None:
@@ -118,7 +123,11 @@ class Attention(nn.Module):
             k = self.k_proj(src).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, nkv_local, S, hs)
             v = self.v_proj(src).view(B, S, -1, self.head_dim).transpose(1, 2)
             if rotary is not None and kv is None:
-                cos, sin = rotary
+                if position_ids is None:
+                    past = kv_cache.get(self) if kv_cache is not None else None
+                    start = 0 if past is None else past[0].shape[2]
+                    position_ids = torch.arange(start, start + T, device=x.device)[None]  # (1, T)
+                cos, sin = rotary(position_ids, dtype=torch.float32)  # (B|1, 1, T, hs), fp32 as the reference
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
             if kv_cache is not None:
                 if kv is None:

@@ -53,15 +53,17 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
                     f"tensor parallelism splits {key} across ranks, but {value} / tensor_parallel_size {tp} = "
                     f"{value / tp:g} is not whole. Either {fix}, or change train.dist.tensor_parallel_size."
                 )
-        if dist_cfg.get("sequence_parallel") and seq_length % tp != 0:
-            raise LayoutError(
-                f"sequence parallelism splits the sequence across tensor-parallel ranks, but seq_length "
-                f"{seq_length} / {tp} is not whole. Use a sequence length divisible by {tp}."
-            )
+    # The model's own refusal first: an image model has no sequence length to check.
     if dist_cfg.get("sequence_parallel") and getattr(model, "sequence_parallel_unsupported_reason", ""):
         raise LayoutError(
             f"{type(model).__name__} does not support sequence parallelism: "
-            f"{model.sequence_parallel_unsupported_reason} Set train.dist.sequence_parallel=False."
+            f"{_sentence(model.sequence_parallel_unsupported_reason)} Set train.dist.sequence_parallel=False "
+            "(tensor parallelism alone works)."
+        )
+    if tp > 1 and dist_cfg.get("sequence_parallel") and seq_length % tp != 0:
+        raise LayoutError(
+            f"sequence parallelism splits the sequence across tensor-parallel ranks, but seq_length "
+            f"{seq_length} / {tp} is not whole. Use a sequence length divisible by {tp}."
         )
     if tp == 1 and dist_cfg.get("sequence_parallel"):
         raise LayoutError(
@@ -87,9 +89,9 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
     if pp == 1:
         return None
     if getattr(model, "pipeline_layout", None) is None:
-        reason = getattr(model, "pipeline_unsupported_reason", "") or "it declares no `pipeline_layout`."
+        reason = getattr(model, "pipeline_unsupported_reason", "") or "it declares no `pipeline_layout`"
         raise LayoutError(
-            f"{type(model).__name__} cannot be split into pipeline stages: {reason} "
+            f"{type(model).__name__} cannot be split into pipeline stages: {_sentence(reason)} "
             "Use data/tensor parallelism or ZeRO, i.e. pipeline_parallel_size=1."
         )
     if multi and v < 2:
@@ -128,3 +130,9 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
             f"pipeline_parallel_size {pp}; adjust train.global_batch_size or train.num_accumulation_steps."
         )
     return layer_stage_ids(num_layers, stages, dist_cfg.get("custom_pipeline_stage_id"))
+
+
+def _sentence(reason: str) -> str:
+    """A model's reason (a clause, with or without a full stop) as a sentence ending in one."""
+    reason = reason.strip()
+    return reason if reason.endswith(".") else reason + "."

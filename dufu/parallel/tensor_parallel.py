@@ -21,6 +21,18 @@ with ``is_output_head``)               (``Shard(-1)``) for ``loss_parallel``
 Sequence parallelism follows Korthikanti et al. 2022: between the tensor-parallel
 regions the activations (B, T, C) are split along T, so norms and dropout run on
 1/tp of the sequence.
+
+One convention holds for every family: **between modules, activations are plain
+tensors** (this rank's part of them); DTensors live only inside a module's style.
+Every style here returns a local tensor (the output head excepted: its
+vocabulary-sharded logits go to ``loss_parallel``). So a block may add any two of
+its activations — pre-norm ``x + attn(norm(x))`` (GPT, LLaMA) and post-norm
+``norm(x + attn(x))`` (BERT) alike — and a pipeline stage passes a plain tensor.
+Under sequence parallelism the block's tensors are therefore sequence shards
+(B, T/tp, C): whatever needs the whole sequence (its length, rotary angles of
+the positions, the first token) belongs in a module that declares
+``tensor_parallel_input = "replicate"`` (attention, MLP, poolers), whose input
+is gathered first.
 """
 
 from __future__ import annotations
@@ -64,7 +76,7 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
             )
         elif sequence_parallel and getattr(module, "sequence_parallel", False):
-            plan[name] = SequenceParallel()
+            plan[name] = SequenceParallel(use_local_output=True)  # local output: see the convention above
         elif sequence_parallel and getattr(module, "tensor_parallel_input", None) == "replicate":
             plan[name] = PrepareModuleInput(
                 input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True

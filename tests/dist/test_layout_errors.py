@@ -21,8 +21,8 @@ SCHEDULE, VIRTUAL = "train.dist.pipeline_schedule", "train.dist.virtual_pipeline
 ACCUM = "train.num_accumulation_steps"
 
 
-def check(tmp_path, world_size: int, *overrides: str) -> None:
-    cfg = load_config("gpt_debug", [*overrides, f"train.output_dir={tmp_path / 'run'}"])
+def check(tmp_path, world_size: int, *overrides: str, recipe: str = "gpt_debug") -> None:
+    cfg = load_config(recipe, [*overrides, f"train.output_dir={tmp_path / 'run'}"])
     preflight(cfg, world_size=world_size)
 
 
@@ -114,6 +114,42 @@ def test_bad_layout_fails_at_preflight(case, tmp_path):
     for fragment in fragments:
         assert fragment in message, f"{case}: {fragment!r} not in {message!r}"
     assert not (tmp_path / "run").exists(), "nothing may be written before the layout is checked"
+
+
+SP = "train.dist.sequence_parallel=True"
+
+
+# Models that need the whole sequence in every block refuse sequence parallelism, saying why, before the
+# sequence-length check (an image model has no sequence length); tensor parallelism alone is their way.
+@pytest.mark.parametrize("recipe", ["t5_debug", "vit_debug", "swin_debug"])
+def test_models_that_refuse_sequence_parallelism_say_why(recipe, tmp_path):
+    from dufu.config.instantiate import locate
+
+    model_cls = load_config(recipe).model._target_
+    model_cls = locate(model_cls) if isinstance(model_cls, str) else model_cls
+    reason = model_cls.sequence_parallel_unsupported_reason.rstrip(".")
+    with pytest.raises(LayoutError) as info:
+        check(tmp_path, 2, f"{TP}=2", SP, recipe=recipe)
+    message = str(info.value)
+    assert f"{model_cls.__name__} does not support sequence parallelism: {reason}. " in message, message
+    assert "Set train.dist.sequence_parallel=False (tensor parallelism alone works)." in message
+    assert "seq_length" not in message
+    check(tmp_path, 2, f"{TP}=2", recipe=recipe)  # and tensor parallelism alone passes
+
+
+def test_a_model_that_refuses_pipelines_says_why_in_sentences():
+    class Recurrent(nn.Module):
+        pipeline_unsupported_reason = "its one cell runs every step"
+
+    dims = ParallelDims(pipeline_parallel_size=2, world_size=2)
+    with pytest.raises(LayoutError, match=r"stages: its one cell runs every step\. Use data/tensor parallelism"):
+        validate_layout(dims, Recurrent(), {}, {}, seq_length=32, num_microbatches=2)
+
+
+# Pre-norm (GPT, LLaMA) and post-norm (BERT, RoBERTa) blocks alike take sequence parallelism.
+@pytest.mark.parametrize("recipe", ["llama_debug", "bert_debug"])
+def test_sequence_parallelism_passes_preflight(recipe, tmp_path):
+    check(tmp_path, 2, f"{TP}=2", SP, recipe=recipe)
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,10 @@
 """The promise for the model zoo beyond GPT: a layout trains to the same numbers as one process.
 
-* bert_debug (masked LM, the same masks in every layout) under tensor and pipeline parallelism: batches carry
-  only ``input_ids`` and ``labels``, so the pipeline passes one tensor between stages and the last stage takes
-  BERT's masked-LM loss (``pipeline_loss``).
+* bert_debug (masked LM, the same masks in every layout) under tensor (also with sequence parallelism: post-norm
+  blocks add a norm's output to the attention output, both sequence shards) and pipeline parallelism: batches
+  carry only ``input_ids`` and ``labels``, so the pipeline passes one tensor between stages and the last stage
+  takes BERT's masked-LM loss (``pipeline_loss``); RoBERTa (its own positions) under tensor + sequence
+  parallelism.
 * a transformers architecture trained as-is (hf_auto_gpt_neox_debug) under data parallelism with ZeRO 3.
 
 fp32, fixed global batch 8, 5 steps: logged losses equal the single-process ones within 1e-5 relative, and the
@@ -21,13 +23,21 @@ LAYOUTS = {
     "bert-tp2": ("bert_debug", 2, ["train.dist.tensor_parallel_size=2"]),
     "bert-pp2": ("bert_debug", 2, ["train.dist.pipeline_parallel_size=2"]),
     "bert-tp2-sp": ("bert_debug", 2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"]),
+    "roberta-tp2-sp": ("roberta_debug", 2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"]),
     "hf-auto-dp2-zero3": ("hf_auto_gpt_neox_debug", 2, ["train.dist.data_parallel_size=2",
                                                          "train.zero_optimization.enabled=True",
                                                          "train.zero_optimization.stage=3"]),
 }
-# Post-LayerNorm blocks add a norm's output to the attention output: under sequence parallelism both must be
-# local shards, which needs dufu.parallel's norms to return local tensors (SequenceParallel(use_local_output=True)).
-PENDING = {"bert-tp2-sp": "post-LN blocks add a norm output (DTensor) to a plain residual; SequenceParallel(use_local_output=True) fixes BERT but breaks LLaMA rotary under SP: needs a per-block decision"}
+# Models that are a packaged recipe plus overrides: RoBERTa is bert_debug with RoBERTa's positions (counted from
+# pad_token_id + 1, hence 2 more) and no token types.
+VARIANTS = {
+    "roberta_debug": ("bert_debug", ["model._target_=dufu.models.bert.RobertaForMaskedLM", "model.pad_token_id=0",
+                                     "model.max_position_embeddings=34", "model.type_vocab_size=1"]),
+}
+
+
+def recipe_args(name: str) -> tuple[str, list[str]]:
+    return VARIANTS.get(name, (name, []))
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +47,8 @@ def reference(tmp_path_factory):
     def get(recipe: str):
         if recipe not in cache:
             out = tmp_path_factory.mktemp(f"reference_{recipe}")
-            assert_ok(run_dufu(out, 1, *PARITY_ARGS, config=recipe))
+            config, model_overrides = recipe_args(recipe)
+            assert_ok(run_dufu(out, 1, *PARITY_ARGS, *model_overrides, config=config))
             cache[recipe] = (losses(out), final_model_state(out))
         return cache[recipe]
 
@@ -46,12 +57,11 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_zoo_layout_matches_single_process(layout, reference, tmp_path):
-    if layout in PENDING:
-        pytest.skip(PENDING[layout])
     recipe, nproc, overrides = LAYOUTS[layout]
     ref_losses, ref_state = reference(recipe)
     out = tmp_path / layout
-    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, *overrides, config=recipe))
+    config, model_overrides = recipe_args(recipe)
+    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, *model_overrides, *overrides, config=config))
     got = losses(out)
     assert len(got) == len(ref_losses) == 5
     for step, (a, b) in enumerate(zip(got, ref_losses), start=1):

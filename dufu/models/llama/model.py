@@ -5,9 +5,9 @@ Pre-norm blocks ``x + attn(rmsnorm(x))`` then ``x + swiglu(rmsnorm(x))``, rotary
 optional Q/K/V biases Qwen2 uses, and an output head that is separate or tied to the token embedding.
 
 Blocks live in a ``ModuleDict`` keyed by ``str(i)`` so parameter names (``blocks.3.attn.q_proj.weight``)
-survive pipeline splitting. Each block computes its own rotary cos/sin tables from the positions: a
-pipeline stage receives only hidden states, and under sequence parallelism only the block sees the full
-sequence length (its normed input is a sequence-sharded DTensor whose shape is the global one).
+survive pipeline splitting. Each block's attention computes the rotary cos/sin tables from the positions: a
+pipeline stage receives only hidden states, and under sequence parallelism only the attention sees the whole
+sequence (the block's input is this rank's shard of it; the attention gathers it).
 """
 
 from __future__ import annotations
@@ -20,18 +20,6 @@ from torch import nn
 from dufu.layers import Attention, GatedMLP, KVCache, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from dufu.models.gpt.model import causal_lm_loss
 from dufu.models.outputs import ModelOutput
-
-
-def past_length(kv_cache: Optional[KVCache], attn: nn.Module) -> int:
-    """Positions already in ``kv_cache`` for the attention module ``attn`` (0 without a cache)."""
-    if kv_cache is None:
-        return 0
-    past = kv_cache.get(attn)
-    return 0 if past is None else past[0].shape[2]
-
-
-def default_position_ids(T: int, past: int, device) -> torch.Tensor:
-    return torch.arange(past, past + T, device=device).unsqueeze(0)  # (1, T)
 
 
 class LlamaBlock(nn.Module):
@@ -75,11 +63,10 @@ class LlamaBlock(nn.Module):
         position_ids: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
-        h = self.attn_norm(x)  # (B, T, C); under sequence parallelism a DTensor with the global T
-        if position_ids is None:
-            position_ids = default_position_ids(h.shape[1], past_length(kv_cache, self.attn), x.device)
-        cos, sin = self.rotary(position_ids, dtype=torch.float32)  # (B|1, 1, T, hd), fp32 like the reference
-        x = x + self.attn(h, attention_mask=attention_mask, rotary=(cos, sin), kv_cache=kv_cache)
+        # The attention takes the rotary angles of the positions itself: it sees the whole sequence, while
+        # under sequence parallelism x here is this rank's shard of it.
+        x = x + self.attn(self.attn_norm(x), attention_mask=attention_mask, rotary=self.rotary,
+                          position_ids=position_ids, kv_cache=kv_cache)  # (B, T, C)
         return x + self.mlp(self.mlp_norm(x))
 
 
