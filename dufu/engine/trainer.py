@@ -35,9 +35,11 @@ from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DistributedFailure, DufuError, LayoutError
 from dufu.models.gpt import causal_lm_loss
+from dufu.models.hub import pretrained_source
 from dufu.parallel import parallelize
 from dufu.parallel.checks import validate_layout
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients, tied_parameters
+from dufu.parallel.materialize import materialize_, supports_meta_init
 from dufu.parallel.pipeline import build_schedule, build_stage_module, make_stages
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -181,7 +183,12 @@ class Trainer:
         self.train_ds, self.valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=self.tokenizer))
         self.seq_length = getattr(self.train_ds, "seq_length", None) or self.train_ds[0].shape[0] - 1
         check_validation_set(cfg, self.valid_ds, self.global_batch_size)
-        model = build_model(self.cfg, self.tokenizer, self.seq_length)  # full model, initialised identically on every rank (same seed)
+        # Shapes only: each rank allocates just what it holds after splitting and sharding (_build_parts).
+        with torch.device("meta"):
+            model = build_model(self.cfg, self.tokenizer, self.seq_length)
+        self.meta_init = supports_meta_init(model)
+        if not self.meta_init:  # e.g. a transformers model as-is: the full model, the same on every rank (seed)
+            model = build_model(self.cfg, self.tokenizer, self.seq_length)
         stage_ids = validate_layout(self.dims, model, t.dist, t.zero_optimization, self.seq_length,
                                     self.num_accumulation_steps)
 
@@ -251,7 +258,8 @@ class Trainer:
         stage_mesh = self.mesh["data", "tensor"] if self.mesh is not None else None
         zero = t.zero_optimization
         for part in parts.values():
-            part.to(self.device)
+            if not self.meta_init:
+                part.to(self.device)
             parallelize(
                 part, stage_mesh,
                 tensor_parallel=self.dims.tp_enabled,
@@ -261,6 +269,8 @@ class Trainer:
                 activation_checkpoint=t.activation_checkpoint.enabled,
                 compile=t.get("compile", {}).get("enabled", False),
             )
+            if self.meta_init:
+                materialize_(part, model, self.device, seed=t.seed, pretrained=self._pretrained_source(model))
         flags = {"first": 0 in parts, "last": (num_stages - 1) in parts}
         schedule = None
         if stage_ids is not None:
@@ -268,6 +278,14 @@ class Trainer:
             schedule = build_schedule(t.dist.get("pipeline_schedule", "1f1b"), stages,
                                       self.num_accumulation_steps, self._pipeline_loss)
         return [parts[s] for s in sorted(parts)], schedule, flags
+
+    def _pretrained_source(self, model):
+        """The reader of ``model.pretrained`` weights for a part, or None (no such source, or resuming: the
+        checkpoint replaces every weight)."""
+        path = getattr(model, "pretrained_path", None)
+        if path is None or self.resume_from is not None:
+            return None
+        return lambda part: pretrained_source(part, path)
 
     def _tied_group(self):
         """Process groups joining first and last pipeline stage at equal (data, tensor) coordinates."""

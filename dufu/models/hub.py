@@ -265,17 +265,14 @@ def _check_sizes(module: nn.Module, source_kwargs: dict, what: str) -> None:
                         "which takes them from the pretrained config.")
 
 
-@torch.no_grad()
-def load_pretrained(module: nn.Module, path: str | Path, strict: bool = False, check_sizes: bool = True) -> nn.Module:
-    """Copy pretrained weights into ``module`` in place, from a Hugging Face directory (through the
-    family's adapter) or a dufu checkpoint. ``module`` may be part of a model (a pipeline stage): only the
-    tensors it holds are read (see the module docstring). Sizes that differ from the source's config, a
-    shape mismatch, or a parameter the source lacks is an error naming both; ``strict`` also refuses source
-    tensors that ``module`` has no place for."""
+def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
+                      check_sizes: bool = True) -> tuple[str, dict]:
+    """What :func:`load_pretrained` would copy into ``module``, unread: ``(what, source)``, where ``what``
+    names the source for messages and ``source`` maps each of ``module``'s tensor names to a tensor or a
+    zero-argument callable that reads it. Sizes that differ from the source's config or a parameter the
+    source lacks is an error naming both; ``strict`` also refuses source tensors ``module`` has no place for.
+    ``module`` may be a pipeline stage or hold sharded tensors: only its names and global shapes are used."""
     path = Path(path)
-    if any(p.is_meta for p in module.parameters()):
-        raise DufuError("load_pretrained needs a materialised module (to_empty + init_weights first), "
-                        "not one on the meta device.")
     own = module.state_dict()
     tied = getattr(module, "tied_parameter_names", {})
     if (path / "config.json").is_file():
@@ -304,15 +301,32 @@ def load_pretrained(module: nn.Module, path: str | Path, strict: bool = False, c
     if missing or unexpected:
         raise DataError(f"{what} do not fit {type(module).__name__}: missing {missing[:5]}, unexpected "
                         f"{unexpected[:5]}. Check that model.* (sizes, layers, biases) matches the pretrained model.")
-    for key, target in own.items():
+    return what, {k: v for k, v in source.items() if k in own}
+
+
+def check_source_shape(what: str, module: nn.Module, key: str, value: torch.Tensor, target: torch.Tensor) -> None:
+    """A pretrained tensor must have the (global) shape of the parameter it fills."""
+    if tuple(value.shape) != tuple(target.shape):
+        raise DataError(f"{what} do not fit {type(module).__name__}: {key} has shape {tuple(value.shape)} "
+                        f"there but {tuple(target.shape)} in the model. Check model.* against the "
+                        "pretrained model's config.")
+
+
+@torch.no_grad()
+def load_pretrained(module: nn.Module, path: str | Path, strict: bool = False, check_sizes: bool = True) -> nn.Module:
+    """Copy pretrained weights into ``module`` in place, from a Hugging Face directory (through the
+    family's adapter) or a dufu checkpoint. ``module`` may be part of a model (a pipeline stage): only the
+    tensors it holds are read (see the module docstring and :func:`pretrained_source` for the checks)."""
+    if any(p.is_meta for p in module.parameters()):
+        raise DufuError("load_pretrained needs a materialised module (to_empty + init_weights first), "
+                        "not one on the meta device.")
+    what, source = pretrained_source(module, path, strict, check_sizes)
+    for key, target in module.state_dict().items():
         if key not in source:
             continue  # a tied name served by its twin
         value = source[key]
         value = value() if callable(value) else value
-        if tuple(value.shape) != tuple(target.shape):
-            raise DataError(f"{what} do not fit {type(module).__name__}: {key} has shape {tuple(value.shape)} "
-                            f"there but {tuple(target.shape)} in the model. Check model.* against the "
-                            "pretrained model's config.")
+        check_source_shape(what, module, key, value, target)
         target.copy_(value)
     if hasattr(module, "tie_weights"):
         module.tie_weights()
@@ -348,6 +362,8 @@ def pretrained_model(path: str | Path, architecture: Optional[str] = None, **ove
                 raise DufuError(f"{type(model).__name__} has no init_weights(), so it cannot be materialised "
                                 "from a meta-device build to load a checkpoint into.")
             model.init_weights()  # buffers (e.g. rotary tables) and any tied tensor
-    if not meta:
+    if meta:
+        model.pretrained_path = str(path)  # read later, shard by shard (dufu.parallel.materialize)
+    else:
         load_pretrained(model, path, check_sizes=False)  # built from the source's own config
     return model

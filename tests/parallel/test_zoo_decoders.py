@@ -90,3 +90,35 @@ def test_gpt2_weights_from_transformers_train_under_tensor_parallelism(gpt2_hf_d
     out = tmp_path / "tp2"
     assert_ok(run_dufu(out, 2, *args, TP2, config="gpt_debug"))
     assert_same_run(out, ref, "GPT-2 from transformers, tp2")
+
+
+def test_each_rank_reads_only_the_pretrained_tensors_it_holds(gpt2_hf_dir, tmp_path):
+    """pp2 x tp2 from transformers weights: a stage reads no tensor of the other stage's blocks, and the run
+    still starts from those weights (the first loss is the transformers model's)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    path, hf_model = gpt2_hf_dir
+    reads = tmp_path / "reads"
+    reads.mkdir()
+    out = tmp_path / "pp2xtp2"
+    worker = Path(__file__).with_name("record_reads.py")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(worker),
+           "train", "gpt_debug", f"train.output_dir={out}", *PARITY_ARGS, f"model.pretrained={path}", PP2, TP2]
+    env = dict(os.environ, OMP_NUM_THREADS="1", DUFU_TEST_READS=str(reads))
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert losses(out)[0] == pytest.approx(first_batch_loss(hf_model), rel=1e-5)
+    layers = hf_model.config.n_layer
+    first_half = tuple(f"transformer.h.{i}." for i in range(layers // 2))
+    second_half = tuple(f"transformer.h.{i}." for i in range(layers // 2, layers))
+    per_rank = {int(f.stem[4:]): f.read_text().split() for f in reads.glob("rank*.txt")}
+    assert sorted(per_rank) == [0, 1, 2, 3]
+    for rank, keys in per_rank.items():
+        stage = rank // 2  # mesh (pipeline, data, tensor): ranks 0-1 are stage 0
+        assert keys, f"rank {rank} read nothing"
+        other = second_half if stage == 0 else first_half
+        assert not [k for k in keys if k.startswith(other)], f"rank {rank} (stage {stage}) read another stage's blocks"
+        assert any(k.startswith(second_half if stage == 1 else first_half) for k in keys)

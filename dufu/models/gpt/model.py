@@ -18,9 +18,10 @@ from torch import nn
 
 from dufu.layers import KVCache, LayerNorm, Linear, PositionEmbedding, TransformerLayer, VocabEmbedding
 from dufu.models.outputs import ModelOutput
+from dufu.models.base import InitByModule
 
 
-class GPTModel(nn.Module):
+class GPTModel(InitByModule, nn.Module):
     # What pipeline parallelism needs to split this model (see dufu.parallel.pipeline):
     # blocks live in `blocks`; the first stage keeps `first`, the last keeps `last`.
     pipeline_layout = {"blocks": "blocks", "first": ("wte", "wpe"), "last": ("ln_f", "lm_head")}
@@ -86,6 +87,8 @@ class GPTModel(nn.Module):
         self.ln_f = LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.lm_head = Linear(hidden_size, vocab_size, bias=False, parallel="col")
         self.tie_weights()
+        # Where the weights come from: read at once here, or shard by shard after a meta-device build.
+        self.pretrained_path = None if pretrained is None else str(pretrained)
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
             if pretrained is not None:
@@ -104,24 +107,21 @@ class GPTModel(nn.Module):
         if self.tie_word_embeddings and wte is not None and lm_head is not None:
             lm_head.weight = wte.weight
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_module(self, name: str, module: nn.Module) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * num_layers)."""
-        self.tie_weights()
         std = self.initializer_range
-        for name, module in self.named_modules():
-            if isinstance(module, nn.Linear):
-                s = std / math.sqrt(2 * self.num_layers) if name.endswith(("out_proj", "fc2")) else std
-                if not (self.tie_word_embeddings and module is self.lm_head):
-                    nn.init.normal_(module.weight, mean=0.0, std=s)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
+        if isinstance(module, nn.Linear):
+            s = std / math.sqrt(2 * self.num_layers) if name.endswith(("out_proj", "fc2")) else std
+            if not self.is_tied_alias(f"{name}.weight"):
+                nn.init.normal_(module.weight, mean=0.0, std=s)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     # --------------------------------------------------------------- forward
     def forward(

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from dufu.layers import MLP, Attention, HeadwiseEmbedding, LayerNorm, Linear
+from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
 from dufu.models.vit.model import PatchEmbedding, _pair, classification_loss
 
@@ -195,7 +196,7 @@ class SwinEmbeddings(nn.Module):
         return self.drop(x)
 
 
-class SwinForImageClassification(nn.Module):
+class SwinForImageClassification(InitByModule, nn.Module):
     """Swin image classifier (as transformers' ``SwinForImageClassification``).
 
     ``forward(pixel_values, labels=None)``: pixel_values (B, C, H, W), labels (B,) ->
@@ -275,20 +276,18 @@ class SwinForImageClassification(nn.Module):
         """The stage (0, 1, ...) of every block, in block order."""
         return [s for s, d in enumerate(self.depths) for _ in range(d)]
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_module(self, name: str, module: nn.Module) -> None:
         """Truncated N(0, 0.02) for projections and the relative-bias tables, zero biases, unit norms."""
         std = self.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Conv2d, HeadwiseEmbedding)):
-                nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
-                if getattr(module, "bias", None) is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
+        if isinstance(module, (nn.Linear, nn.Conv2d, HeadwiseEmbedding)):
+            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+            if getattr(module, "bias", None) is not None:
                 nn.init.zeros_(module.bias)
-            elif isinstance(module, SwinEmbeddings) and module.position_embeddings is not None:
-                nn.init.trunc_normal_(module.position_embeddings, std=std, a=-2 * std, b=2 * std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, SwinEmbeddings) and module.position_embeddings is not None:
+            nn.init.trunc_normal_(module.position_embeddings, std=std, a=-2 * std, b=2 * std)
 
     def forward(self, pixel_values: torch.Tensor, labels: Optional[torch.Tensor] = None):
         """On an inner pipeline stage ``pixel_values`` are the hidden states (B, H*W, C) of its first block."""

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dufu.layers import MLP, Attention, LayerNorm, Linear
+from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
 
 
@@ -77,7 +78,7 @@ class ViTBlock(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class ViTForImageClassification(nn.Module):
+class ViTForImageClassification(InitByModule, nn.Module):
     """ViT image classifier (transformers' ``ViTForImageClassification``).
 
     ``forward(pixel_values, labels=None)``: pixel_values (B, C, H, W) float, labels (B,) int64 ->
@@ -132,21 +133,19 @@ class ViTForImageClassification(nn.Module):
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_module(self, name: str, module: nn.Module) -> None:
         """Truncated N(0, 0.02) for projections, the [CLS] token and positions; zero biases; unit norms."""
         std = self.initializer_range
-        for module in self.modules():
-            if isinstance(module, (nn.Linear, nn.Conv2d)):
-                nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
+        if isinstance(module, (nn.Linear, nn.Conv2d)):
+            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+            if module.bias is not None:
                 nn.init.zeros_(module.bias)
-            elif isinstance(module, ViTEmbeddings):
-                nn.init.trunc_normal_(module.cls_token, std=std, a=-2 * std, b=2 * std)
-                nn.init.trunc_normal_(module.position_embeddings, std=std, a=-2 * std, b=2 * std)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+        elif isinstance(module, ViTEmbeddings):
+            nn.init.trunc_normal_(module.cls_token, std=std, a=-2 * std, b=2 * std)
+            nn.init.trunc_normal_(module.position_embeddings, std=std, a=-2 * std, b=2 * std)
 
     def forward(self, pixel_values: torch.Tensor, labels: Optional[torch.Tensor] = None):
         """On an inner pipeline stage ``pixel_values`` are the hidden states (B, 1 + N, C)."""

@@ -1,0 +1,38 @@
+"""What every dufu model family shares: initialisation defined one module at a time.
+
+A family implements ``init_module(name, module)``: it initialises the parameters and buffers that
+``module`` holds *directly* (not those of its children), and may look at ``name`` (its qualified name in
+the model, e.g. ``blocks.3.attn.out_proj``) for rules such as GPT-2's scaled residual projections. It
+must not read other modules, because a sharded, meta-built model materialises each module on its own:
+:func:`dufu.parallel.materialize.materialize_` builds a full-size copy of one module at a time, runs
+``init_module`` on it under a seed derived from the module's name, and keeps each rank's slice. So the
+initial weights are the same in every parallel layout (and on one device), whatever each rank holds.
+
+``init_weights()`` runs the same rules over the whole model in place, for a model built on a real device.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class InitByModule:
+    """Mixin for ``nn.Module`` models: ``init_weights`` from a per-module rule (see the module docstring)."""
+
+    def tie_weights(self) -> None:
+        """Families with a tied output head point it at the embedding again (``to_empty`` unties them)."""
+
+    def init_module(self, name: str, module: nn.Module) -> None:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def is_tied_alias(self, qualified_name: str) -> bool:
+        """True for a parameter (e.g. ``lm_head.weight``) that is another's tensor (a tied output head): it
+        is initialised through its twin, never by its own rule."""
+        return qualified_name in getattr(self, "tied_parameter_names", {})
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        self.tie_weights()
+        for name, module in self.named_modules():
+            self.init_module(name, module)

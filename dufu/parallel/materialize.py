@@ -1,0 +1,140 @@
+"""Materialise a model that was built on the meta device and already parallelized.
+
+House style 5 (torchtitan, picotron): build on ``meta``, split into pipeline stages, apply TP/FSDP, and
+only then allocate — each rank allocates just the shards it holds. Filling those shards must give the same
+numbers as a single-device run, so values are defined per *full* tensor and each rank keeps its slice:
+
+* **random initialisation**: for every module the model part holds, a full-size copy of just that module's
+  own parameters and buffers is made on the CPU, and the family's ``init_module(name, module)`` rule
+  (:mod:`dufu.models.base`) fills it under a seed derived from the run's seed and the module's name. The
+  values therefore depend neither on the layout nor on which modules a pipeline stage keeps, nor on the
+  device (CPU generator). Peak extra memory: the largest single module's parameters.
+* **pretrained weights** (``model.pretrained`` or ``pretrained_model``): the family's Hugging Face adapter
+  (or a dufu checkpoint) is asked only for the names this part holds, and reads one tensor at a time.
+* each full tensor is cut to this rank's shard with ``distribute_tensor(..., src_data_rank=None)``: the
+  DTensor's own placements (TP ``Shard``, FSDP ``Shard``/``_StridedShard``) decide the slice locally, with
+  no communication, since every rank computes the same full value.
+
+A tied output head on the last pipeline stage (a copy of the first stage's embedding) takes its twin's
+value: names are resolved to the canonical parameter of the unsplit ``reference`` model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Callable, Mapping, Optional
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from dufu.models.hub import check_source_shape
+
+
+def module_seed(seed: int, name: str) -> int:
+    """A seed for one module's initialisation, a function of the run's seed and the module's name only."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def supports_meta_init(model: nn.Module) -> bool:
+    """True for models with a per-module initialisation rule (every dufu family)."""
+    return callable(getattr(model, "init_module", None))
+
+
+def _full_copy(module: nn.Module) -> nn.Module:
+    """A shallow copy of ``module`` that owns fresh CPU tensors of the full (global) shapes of its own
+    parameters and buffers, and no children: what ``init_module`` may touch."""
+    clone = module.__class__.__new__(module.__class__)
+    clone.__dict__ = dict(module.__dict__)
+    clone._parameters = {
+        n: None if p is None else nn.Parameter(torch.empty(p.shape, dtype=p.dtype), requires_grad=p.requires_grad)
+        for n, p in module._parameters.items()
+    }
+    clone._buffers = {n: None if b is None else torch.empty(b.shape, dtype=b.dtype) for n, b in module._buffers.items()}
+    clone._modules = {}
+    return clone
+
+
+class ModuleInitializer:
+    """Full-size initial values of one module's own tensors, computed once per module name."""
+
+    def __init__(self, reference: nn.Module, seed: int):
+        self.reference = reference
+        self.seed = seed
+        self.modules = dict(reference.named_modules())
+        self._cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    @torch.no_grad()
+    def values(self, module_name: str) -> dict[str, torch.Tensor]:
+        if module_name not in self._cache:
+            clone = _full_copy(self.modules[module_name])
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(self.seed, module_name))
+                self.reference.init_module(module_name, clone)
+            self._cache = {module_name: {**clone._parameters, **clone._buffers}}  # keep only the latest
+        return self._cache[module_name]
+
+
+def _canonical_names(reference: nn.Module) -> dict[str, str]:
+    """Every parameter name of ``reference`` -> the first name of the same tensor (tied heads -> embedding)."""
+    first: dict[int, str] = {}
+    out = {}
+    for name, p in reference.named_parameters(remove_duplicate=False):
+        out[name] = first.setdefault(id(p), name)
+    return out
+
+
+@torch.no_grad()
+def assign_full_(target: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy the full tensor ``full`` into ``target``: a plain tensor, or this rank's shard of a DTensor."""
+    full = full.to(device=target.device, dtype=target.dtype)
+    if isinstance(target, DTensor):
+        local = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None).to_local()
+        target.to_local().copy_(local)
+    else:
+        target.copy_(full)
+
+
+def _split_name(qualified: str) -> tuple[str, str]:
+    module, _, leaf = qualified.rpartition(".")
+    return module, leaf
+
+
+@torch.no_grad()
+def materialize_(
+    part: nn.Module,
+    reference: nn.Module,
+    device: torch.device,
+    *,
+    seed: int,
+    pretrained: Optional[Callable[[nn.Module], tuple[str, Mapping]]] = None,
+) -> nn.Module:
+    """Allocate ``part`` (a meta-built, possibly parallelized model or pipeline stage) on ``device`` and fill
+    it: initial values from ``reference.init_module`` (``reference``: the unsplit meta model), then, if
+    ``pretrained`` is given, the tensors it provides. ``pretrained(part)`` returns ``(what, source)``:
+    ``source`` maps parameter names to tensors or zero-argument callables that read one (see
+    :func:`dufu.models.hub.pretrained_source`); a value that already is a DTensor is the part's own
+    (a new task head keeping its initialisation) and is left alone."""
+    part.to_empty(device=device)
+    if hasattr(part, "tie_weights"):
+        part.tie_weights()
+    init = ModuleInitializer(reference, seed)
+    canonical = _canonical_names(reference)
+    tensors = [(n, t, True) for n, t in part.named_parameters()] + [(n, t, False) for n, t in part.named_buffers()]
+    # Group by the (canonical) owning module so each module's initialisation runs once.
+    for name, tensor, is_param in sorted(tensors, key=lambda x: _split_name(canonical.get(x[0], x[0]))[0]):
+        module_name, leaf = _split_name(canonical.get(name, name) if is_param else name)
+        assign_full_(tensor, init.values(module_name)[leaf])
+    if pretrained is not None:
+        what, source = pretrained(part)
+        own = part.state_dict()
+        for name, value in source.items():
+            value = value() if callable(value) else value
+            if isinstance(value, DTensor):
+                continue
+            check_source_shape(what, part, name, value, own[name])
+            assign_full_(own[name], value)
+        if hasattr(part, "tie_weights"):
+            part.tie_weights()
+    return part

@@ -1,0 +1,99 @@
+"""Meta-device build, then materialisation (dufu.parallel.materialize): the values are the same whatever part
+of the model a rank holds, tied copies take their twin's value, buffers are computed, and pretrained weights
+fill a part from only the tensors it holds."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dufu.models.gpt import GPTModel
+from dufu.models.llama import LlamaModel
+from dufu.parallel.materialize import materialize_, module_seed, supports_meta_init
+from dufu.parallel.pipeline import build_stage_module
+
+SIZES = dict(vocab_size=96, hidden_size=32, num_layers=4, num_attention_heads=4, max_position_embeddings=32)
+
+
+def meta(cls, **kw):
+    with torch.device("meta"):
+        return cls(**{**SIZES, **kw})
+
+
+def materialized(model, seed=0, **kw):
+    return materialize_(model, model, torch.device("cpu"), seed=seed, **kw)
+
+
+def test_every_family_initialises_per_module():
+    from dufu.models.bert import BertForMaskedLM
+    from dufu.models.hf_auto import HFAutoModel
+    from dufu.models.swin import SwinForImageClassification
+    from dufu.models.t5 import T5ForConditionalGeneration
+    from dufu.models.vit import ViTForImageClassification
+
+    for cls in (GPTModel, LlamaModel, BertForMaskedLM, T5ForConditionalGeneration, ViTForImageClassification,
+                SwinForImageClassification):
+        assert supports_meta_init(cls.__new__(cls)), cls.__name__
+    assert not supports_meta_init(HFAutoModel.__new__(HFAutoModel))  # built in full, as transformers builds it
+
+
+def test_values_depend_on_seed_and_name_only():
+    a = materialized(meta(GPTModel), seed=3)
+    b = materialized(meta(GPTModel), seed=3)
+    c = materialized(meta(GPTModel), seed=4)
+    for (name, p), q, r in zip(a.named_parameters(), b.parameters(), c.parameters()):
+        assert torch.equal(p, q), name
+        if p.std() > 0:
+            assert not torch.equal(p, r), name
+    assert module_seed(0, "blocks.0.attn.q_proj") != module_seed(0, "blocks.1.attn.q_proj")
+    # the rules themselves: GPT-2's scaled residual projections, unit norms, zero biases, a tied head
+    std = a.blocks["0"].attn.out_proj.weight.std().item()
+    assert std == pytest.approx(0.02 / (2 * SIZES["num_layers"]) ** 0.5, rel=0.15)
+    assert torch.equal(a.ln_f.weight, torch.ones(32)) and torch.equal(a.blocks["1"].mlp.fc1.bias, torch.zeros(128))
+    assert a.lm_head.weight is a.wte.weight
+
+
+@pytest.mark.parametrize("cls,tied", [(GPTModel, True), (LlamaModel, False), (LlamaModel, True)])
+def test_a_pipeline_stage_gets_the_full_models_values(cls, tied):
+    full = materialized(meta(cls, tie_word_embeddings=tied), seed=7)
+    reference = meta(cls, tie_word_embeddings=tied)
+    for stage in range(2):
+        part = build_stage_module(reference, stage, 2, [0, 0, 1, 1])
+        materialize_(part, reference, torch.device("cpu"), seed=7)
+        expected = dict(full.named_parameters(remove_duplicate=False))
+        names = [n for n, _ in part.named_parameters()]
+        assert names and all(n.startswith(("blocks.2", "blocks.3", "norm", "ln_f", "lm_head")) == (stage == 1)
+                             for n in names)
+        for name, p in part.named_parameters():
+            torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=name)
+    if not tied:
+        return
+    # the last stage's copy of the tied head holds the embedding's values
+    last = build_stage_module(reference, 1, 2, [0, 0, 1, 1])
+    materialize_(last, reference, torch.device("cpu"), seed=7)
+    assert torch.equal(last.lm_head.weight, full.wte.weight)
+
+
+def test_buffers_are_computed():
+    model = materialized(meta(LlamaModel))
+    built = LlamaModel(**SIZES)
+    for (name, b), ref in zip(model.named_buffers(), built.buffers()):
+        torch.testing.assert_close(b, ref, msg=name)
+
+
+def test_pretrained_source_fills_only_what_the_part_holds(tmp_path, monkeypatch):
+    from dufu.models import hub
+
+    src = GPTModel(**SIZES)
+    hub.save_pretrained(src, tmp_path / "hf")
+    read = []
+    original = hub.HFWeights.__getitem__
+    monkeypatch.setattr(hub.HFWeights, "__getitem__", lambda self, k: read.append(k) or original(self, k))
+    reference = meta(GPTModel)
+    part = build_stage_module(reference, 1, 2, [0, 0, 1, 1])
+    materialize_(part, reference, torch.device("cpu"), seed=0,
+                 pretrained=lambda p: hub.pretrained_source(p, tmp_path / "hf"))
+    expected = dict(src.named_parameters(remove_duplicate=False))
+    for name, p in part.named_parameters():
+        torch.testing.assert_close(p, expected[name], msg=name)
+    assert read and not any(k.startswith(("transformer.h.0.", "transformer.h.1.", "transformer.wpe")) for k in read)
