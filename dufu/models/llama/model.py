@@ -20,6 +20,7 @@ from torch import nn
 from dufu.layers import Attention, GatedMLP, KVCache, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
 from dufu.models.gpt.model import causal_lm_loss
 from dufu.models.outputs import ModelOutput
+from dufu.models.base import InitByModule
 
 
 class LlamaBlock(nn.Module):
@@ -70,7 +71,7 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(InitByModule, nn.Module):
     """Causal decoder of the LLaMA family. Llama 2/3: no biases, untied head. Qwen2: ``qkv_bias=True``
     (the small sizes also tie the head). ``rope_scaling``: e.g. ``{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
@@ -146,6 +147,8 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(hidden_size, eps=rms_norm_eps)
         self.lm_head = Linear(hidden_size, vocab_size, bias=False, parallel="col")
         self.tie_weights()
+        # Where the weights come from: read at once here, or shard by shard after a meta-device build.
+        self.pretrained_path = None if pretrained is None else str(pretrained)
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
             if pretrained is not None:
@@ -161,24 +164,21 @@ class LlamaModel(nn.Module):
         if self.tie_word_embeddings and wte is not None and lm_head is not None:
             lm_head.weight = wte.weight
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_module(self, name: str, module: nn.Module) -> None:
         """Every matrix and embedding N(0, initializer_range), biases 0, norm weights 1 (as Llama's
         reference initialisation); the rotary tables are recomputed (a meta build leaves them empty)."""
-        self.tie_weights()
         std = self.initializer_range
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                if not (self.tie_word_embeddings and module is self.lm_head):
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
+        if isinstance(module, nn.Linear):
+            if not self.is_tied_alias(f"{name}.weight"):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.ones_(module.weight)
-            elif isinstance(module, RotaryEmbedding):
-                module.reset_parameters()
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.ones_(module.weight)
+        elif isinstance(module, RotaryEmbedding):
+            module.reset_parameters()
 
     # --------------------------------------------------------------- forward
     def forward(
