@@ -17,9 +17,11 @@ has a parameter of that name, one tensor at a time, straight into the parameter 
 zero-argument callables instead of tensors for that purpose). So a module that holds part of a model —
 a pipeline stage with the other stages' blocks deleted — reads only its own tensors. A dufu checkpoint
 (``output_dir``, ``output_dir/checkpoints`` or ``.../step_N``) is read the same way, through
-``torch.distributed.checkpoint`` with the module's own keys. The trainer builds the whole
-single-device model on every rank before splitting it into stages, so today every rank reads every
-tensor once (memory-mapped, never a second full copy in memory).
+``torch.distributed.checkpoint`` with the module's own keys. The trainer builds the model on the meta
+device, splits and shards it, and fills each rank's part through :func:`pretrained_source` (see
+:mod:`dufu.parallel.materialize`): a pipeline stage reads only its own tensors, and a tensor-parallel or
+ZeRO rank keeps only its slice of each. Families whose adapter is not lazy (BERT, T5, ViT, Swin) still
+read their whole (memory-mapped) file on every rank; they are small.
 """
 
 from __future__ import annotations

@@ -90,21 +90,25 @@ def _is_prefixed(model) -> bool:
     return not isinstance(model, BertModel)
 
 
-def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], model, family: str) -> dict[str, torch.Tensor]:
-    """transformers tensors (with or without the ``bert.``/``roberta.`` prefix) -> ``model``'s tensors. Only the
-    tensors ``model`` has are returned; a missing one is left for the caller to report."""
+def state_dict_from_hf(hf_sd, model, family: str) -> dict:
+    """transformers tensors (with or without the ``bert.``/``roberta.`` prefix; a dict or a lazy mapping) ->
+    ``model``'s tensors, as zero-argument callables that read one each: only the tensors ``model`` has are
+    returned (a pipeline stage reads its own), and a missing one is left for the caller to report."""
     prefix = f"{family}."
-    sd = {k.removeprefix(prefix): v for k, v in hf_sd.items()}
+
+    def stored(theirs: str):
+        return theirs if theirs in hf_sd else (prefix + theirs if prefix + theirs in hf_sd else None)
+
     out, fresh = {}, []
     own = model.state_dict()
     for name in own:
-        theirs = hf_name(name, family, prefixed=False)
-        if theirs in sd:
-            out[name] = sd[theirs]
-        elif name == "lm_head.bias" and _BIAS_TWIN[family] in sd:
-            out[name] = sd[_BIAS_TWIN[family]]
-        elif name == "lm_head.weight" and model.tie_word_embeddings and "wte.weight" in out:
-            out[name] = out["wte.weight"]
+        key = stored(hf_name(name, family, prefixed=False))
+        if key is None and name == "lm_head.bias":
+            key = stored(_BIAS_TWIN[family])
+        if key is not None:
+            out[name] = lambda k=key: hf_sd[k]
+        elif name == "lm_head.weight" and model.tie_word_embeddings and stored(hf_name("wte.weight", family, False)):
+            out[name] = lambda k=stored(hf_name("wte.weight", family, False)): hf_sd[k]
         elif name.startswith(model.newly_initialized_prefixes):
             # A task head the checkpoint (e.g. a bare encoder) lacks keeps the model's own initialisation.
             out[name] = own[name]
@@ -222,6 +226,7 @@ def _register() -> None:
             state_dict_to_hf=lambda sd, model, family=family: state_dict_to_hf(sd, model, family),
             default_architecture=classes[0].__name__,
             dufu_classes=classes,
+            lazy=True,
         ))
 
 

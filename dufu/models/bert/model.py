@@ -39,6 +39,7 @@ from dufu.layers import (
     VocabEmbedding,
 )
 from dufu.layers.mlp import _ACTIVATIONS
+from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
 
 
@@ -148,7 +149,7 @@ class RobertaClassificationHead(nn.Module):
         return self.out_proj(x)  # (B, num_labels)
 
 
-class _BertEncoder(nn.Module):
+class _BertEncoder(InitByModule, nn.Module):
     """Embeddings and blocks shared by every BERT/RoBERTa class; subclasses add a head and call
     ``_finish_init()`` at the end of their constructor."""
 
@@ -215,29 +216,23 @@ class _BertEncoder(nn.Module):
             self.init_weights()
 
     # ------------------------------------------------------------------ init
-    def tie_weights(self) -> None:
-        """Subclasses with a tied output head point it at ``wte`` (again after ``to_empty``)."""
-
-    @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_module(self, name: str, module: nn.Module) -> None:
         """BERT's initialisation: N(0, initializer_range) for matrices and tables (the padding row zero),
         zero biases, unit LayerNorms."""
-        self.tie_weights()
         std = self.initializer_range
-        for module in self.modules():
-            if isinstance(module, nn.Linear):
-                if not (self.tie_word_embeddings and module is getattr(self, "lm_head", None)):
-                    nn.init.normal_(module.weight, mean=0.0, std=std)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-            elif isinstance(module, nn.Embedding):
+        if isinstance(module, nn.Linear):
+            if not self.is_tied_alias(f"{name}.weight"):
                 nn.init.normal_(module.weight, mean=0.0, std=std)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
-        if self.wte is not None and self.pad_token_id is not None and 0 <= self.pad_token_id < self.vocab_size:
-            self.wte.weight[self.pad_token_id].zero_()
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+            if name == "wte" and self.pad_token_id is not None and 0 <= self.pad_token_id < self.vocab_size:
+                module.weight[self.pad_token_id].zero_()
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     # --------------------------------------------------------------- forward
     def position_offset(self) -> int:
