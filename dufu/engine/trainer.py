@@ -186,9 +186,11 @@ class Trainer:
         # Shapes only: each rank allocates just what it holds after splitting and sharding (_build_parts).
         with torch.device("meta"):
             model = build_model(self.cfg, self.tokenizer, self.seq_length)
-        self.meta_init = supports_meta_init(model)
-        if not self.meta_init:  # e.g. a transformers model as-is: the full model, the same on every rank (seed)
+        self.meta_init = t.get("meta_init", True) and supports_meta_init(model)
+        if not supports_meta_init(model):  # e.g. a transformers model as-is: built in full, the same on every rank
             model = build_model(self.cfg, self.tokenizer, self.seq_length)
+        elif not self.meta_init:  # the full model on every rank, with the values the meta path gives
+            materialize_(model, model, torch.device("cpu"), seed=t.seed, pretrained=self._pretrained_source(model))
         stage_ids = validate_layout(self.dims, model, t.dist, t.zero_optimization, self.seq_length,
                                     self.num_accumulation_steps)
 

@@ -97,3 +97,14 @@ def test_pretrained_source_fills_only_what_the_part_holds(tmp_path, monkeypatch)
     for name, p in part.named_parameters():
         torch.testing.assert_close(p, expected[name], msg=name)
     assert read and not any(k.startswith(("transformer.h.0.", "transformer.h.1.", "transformer.wpe")) for k in read)
+
+
+def test_meta_init_off_gives_the_same_run(tmp_path):
+    """train.meta_init=False (the full model on every rank first) starts from the same weights."""
+    from dufu_testing import train
+    from parallel_runs import losses
+
+    args = ("train.train_iter=3", "train.evaluation.enabled=False", "train.tensorboard=False")
+    train(tmp_path / "meta", args, recipe="gpt_debug")
+    train(tmp_path / "full", (*args, "train.meta_init=False"), recipe="gpt_debug")
+    assert losses(tmp_path / "meta") == losses(tmp_path / "full")

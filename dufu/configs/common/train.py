@@ -23,6 +23,10 @@ train = dict(
     # max_iter and optimizer are filled in by the trainer.
     scheduler=L(WarmupCosineLR)(warmup_iter=100, warmup_factor=0.0, min_lr_ratio=0.1),
     amp=dict(enabled=False, dtype="bf16"),  # "bf16" | "fp16" (fp16 uses dynamic loss scaling)
+    # True: build the model on the meta device and allocate only each rank's shards after splitting and
+    # sharding (dufu.parallel.materialize). False: every rank builds the full fp32 model first (what a
+    # model without a per-module init, such as HFAutoModel, always gets). The initial weights are the same.
+    meta_init=True,
     activation_checkpoint=dict(enabled=False),
     compile=dict(enabled=False),
     # async_save: write checkpoints in the background while training goes on (torch DCP async_save).
