@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dufu.errors import LayoutError
-from dufu.parallel.pipeline import SCHEDULES, layer_stage_ids
+from dufu.parallel.pipeline import SCHEDULES, block_containers, layer_stage_ids, pipeline_num_layers
 
 
 def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microbatches: int) -> list[int] | None:
@@ -104,11 +104,12 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
             f"train.dist.virtual_pipeline_size={v} needs an interleaved schedule; set "
             "train.dist.pipeline_schedule=interleaved_1f1b, or virtual_pipeline_size=1."
         )
-    num_layers = dist_cfg.get("pipeline_num_layers") or getattr(model, "num_layers", None)
-    model_layers = getattr(model, "num_layers", num_layers)
+    model_layers = pipeline_num_layers(model)  # encoder + decoder blocks for an encoder-decoder
+    num_layers = dist_cfg.get("pipeline_num_layers") or model_layers
     if num_layers != model_layers:
         raise LayoutError(
-            f"train.dist.pipeline_num_layers={num_layers} but the model has {model_layers} layers; "
+            f"train.dist.pipeline_num_layers={num_layers} but the model has {model_layers} layers"
+            f"{' (encoder plus decoder blocks)' if len(block_containers(model.pipeline_layout)) > 1 else ''}; "
             "leave it None or make them equal."
         )
     stages = pp * v

@@ -198,3 +198,28 @@ def test_cli_reports_a_bad_layout_in_one_paragraph(run_cli):
     flat = " ".join(err.split())
     assert "dp 1 x tp 3 x pp 1 = 3, but WORLD_SIZE is 2" in flat
     assert "--nproc 3" in flat
+
+
+# Batches with more than the main input (padding masks) and encoder-decoders pass the pipeline checks; an
+# encoder-decoder counts its encoder plus decoder blocks as the layers to place (t5_debug: 2 + 2).
+def preflight_recipe(tmp_path, recipe: str, world_size: int, *overrides: str) -> None:
+    preflight(load_config(recipe, [*overrides, f"train.output_dir={tmp_path / 'run'}"]), world_size=world_size)
+
+
+@pytest.mark.parametrize("recipe, overrides", [
+    ("bert_classify_debug", [f"{PP}=2", f"{ACCUM}=2"]),
+    ("t5_debug", [f"{PP}=2", f"{ACCUM}=2"]),
+    ("t5_debug", [f"{PP}=2", f"{SCHEDULE}=interleaved_1f1b", f"{VIRTUAL}=2", f"{ACCUM}=2"]),
+    ("t5_debug", [f"{PP}=2", f"{ACCUM}=2", "train.dist.custom_pipeline_stage_id=[0,1,1,1]"]),
+])
+def test_pipelines_with_several_inputs_pass_preflight(recipe, overrides, tmp_path):
+    preflight_recipe(tmp_path, recipe, 2, *overrides)
+
+
+def test_an_encoder_decoder_counts_both_stacks_as_pipeline_layers(tmp_path):
+    with pytest.raises(LayoutError) as info:
+        preflight_recipe(tmp_path, "t5_debug", 2, f"{PP}=2", f"{ACCUM}=2", "train.dist.pipeline_num_layers=2")
+    assert "pipeline_num_layers=2 but the model has 4 layers (encoder plus decoder blocks)" in str(info.value)
+    with pytest.raises(LayoutError, match="at most 4 stages"):
+        preflight_recipe(tmp_path, "t5_debug", 2, f"{PP}=2", f"{SCHEDULE}=interleaved_1f1b", f"{VIRTUAL}=4",
+                         f"{ACCUM}=2")

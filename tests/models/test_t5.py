@@ -149,11 +149,68 @@ def test_parameter_count_formula_and_meta_build():
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
-def test_pipeline_parallelism_is_refused_with_a_layout_error():
+def _run_stages(model, stage_ids, batch):
+    """Chain the stages the pipeline builder makes, passing what each returns to the next, as torch's
+    PipelineStage does: the first gets the main input, every stage gets the other inputs as keywords."""
+    from dufu.parallel.pipeline import build_stage_module, split_pipeline_batch
+
+    n = max(stage_ids) + 1
+    stages = [build_stage_module(model, s, n, stage_ids) for s in range(n)]
+    args, kwargs, target = split_pipeline_batch(stages[0], batch, "input_ids")
+    out = args
+    for stage in stages:
+        out = stage(*out, **kwargs)
+        out = out if isinstance(out, tuple) else (out,)
+    (logits,) = out
+    return stages, logits, T5ForConditionalGeneration.pipeline_loss(logits, target)
+
+
+# 2 encoder + 3 decoder blocks in one stage order; cuts inside the encoder, at its end and inside the decoder
+@pytest.mark.parametrize("stage_ids", [[0, 1, 1, 1, 1], [0, 0, 1, 1, 1], [0, 0, 0, 1, 1], [0, 1, 2, 2, 3],
+                                       [0, 1, 2, 3, 4]])
+def test_pipeline_stages_compute_the_whole_forward(stage_ids):
+    model = make().eval()
+    torch.manual_seed(1)
+    ids, labels = torch.randint(2, 99, (3, 9)), torch.randint(2, 99, (3, 5))
+    mask = torch.ones(3, 9, dtype=torch.long)
+    mask[1, 6:] = 0  # padding in the encoder input
+    labels[2, 3:] = -100
+    batch = {"input_ids": ids, "attention_mask": mask, "labels": labels}
+    ref = model(**batch)
+    stages, logits, loss = _run_stages(model, stage_ids, batch)
+    torch.testing.assert_close(logits, ref.logits, rtol=0, atol=0)
+    torch.testing.assert_close(loss, ref.loss, rtol=0, atol=0)
+    # each parameter has one owner, under its unsplit name (the tied head: a copy on the last stage)
+    names = [n for st in stages for n, _ in st.named_parameters()]
+    assert sorted(names) == sorted(n for n, _ in model.named_parameters(remove_duplicate=False))
+    first, last = stages[0], stages[-1]
+    assert first.encoder.relative_bias is not None and last.lm_head is not None and last.wte is None
+    dec0 = stage_ids[KW["num_layers"]]
+    assert all((st.decoder.relative_bias is not None) == (s == dec0) for s, st in enumerate(stages))
+
+
+def test_pipeline_stages_pass_gradients_to_every_parameter():
+    model = make()
+    batch = {"input_ids": torch.randint(2, 99, (2, 7)), "labels": torch.randint(2, 99, (2, 4))}
+    stages, _, loss = _run_stages(model, [0, 0, 1, 1, 1], batch)
+    loss.backward()
+    model.zero_grad()
+    model(**batch).loss.backward()
+    ref = dict(model.named_parameters())
+    for st in stages:
+        for name, p in st.named_parameters():
+            if name not in ("wte.weight", "lm_head.weight"):
+                torch.testing.assert_close(p.grad, ref[name].grad, msg=name)
+    # the tied embedding: the first stage's part plus the last stage's copy (summed by the trainer)
+    torch.testing.assert_close(stages[0].wte.weight.grad + stages[1].lm_head.weight.grad, ref["wte.weight"].grad)
+
+
+def test_encoder_only_t5_refuses_pipeline_parallelism_with_the_reason():
     from dufu.parallel.pipeline import build_stage_module
 
-    with pytest.raises(LayoutError, match="pipeline_layout"):
-        build_stage_module(make(), 0, 2, [0, 1])
+    encoder = T5EncoderModel(**{k: v for k, v in KW.items() if k != "num_decoder_layers"})
+    with pytest.raises(LayoutError, match="not for the encoder alone"):
+        build_stage_module(encoder, 0, 2, [0, 1])
 
 
 def test_greedy_generate_runs_the_encoder_once():

@@ -6,9 +6,12 @@ logged losses equal the single-process losses within 1e-5 relative, and so do th
 * ViT: tensor parallel 2 and pipeline parallel 2 (1F1B; stages pass the (B, 1 + N, C) hidden states).
 * Swin: tensor parallel 2 (the relative-bias tables split by head) and pipeline parallel 2 (the stages meet
   after patch merging, passing (B, 4*4, 2C)).
-* T5: tensor parallel 2 (relative-bias tables split by head, vocabulary-parallel embedding and head).
-  Pipeline parallelism is not supported for T5 (a decoder stage would need the encoder output besides
-  its own hidden states, and stages pass one tensor); tests/models/test_t5.py checks the LayoutError.
+* T5: tensor parallel 2 (relative-bias tables split by head, vocabulary-parallel embedding and head), and
+  pipeline parallel 2 with the 2 encoder + 2 decoder blocks in one stage order, so stages pass several
+  tensors (``T5ForConditionalGeneration.pipeline_forward``): 1F1B cut between encoder and decoder (encoder
+  output + decoder embeddings); interleaved 1F1B with one block per stage (every cut: inside the encoder,
+  where the relative bias travels too, between the stacks, inside the decoder); and pp 2 x tp 2 cut inside
+  the encoder (the travelling bias holds each tensor-parallel rank's heads).
 """
 
 from __future__ import annotations
@@ -27,6 +30,10 @@ LAYOUTS = {
     "swin-tp2": ("swin_debug", 2, [TP2]),
     "swin-pp2": ("swin_debug", 2, [PP2]),
     "t5-tp2": ("t5_debug", 2, [TP2]),
+    "t5-pp2": ("t5_debug", 2, [PP2]),
+    "t5-pp2-interleaved": ("t5_debug", 2, [PP2, "train.dist.pipeline_schedule=interleaved_1f1b",
+                                           "train.dist.virtual_pipeline_size=2"]),
+    "t5-pp2-tp2": ("t5_debug", 4, [PP2, TP2, "train.dist.custom_pipeline_stage_id=[0,1,1,1]"]),
 }
 
 

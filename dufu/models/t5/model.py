@@ -15,9 +15,11 @@ Both stacks keep their blocks in a ``ModuleDict`` keyed ``str(i)`` (``encoder.bl
 relative-bias tables are :class:`~dufu.layers.HeadwiseEmbedding` (``parallel="col"``), so tensor
 parallelism gives every rank the bias columns of its own heads.
 
-Pipeline parallelism is not supported: stages pass one tensor, while a decoder stage needs both the
-encoder output and its own hidden states. The model declares no ``pipeline_layout``, so asking for it
-fails at start-up with a LayoutError.
+Pipeline parallelism (``T5ForConditionalGeneration.pipeline_forward``) places the encoder blocks, then the
+decoder blocks, in one stage order (as LiBai places T5). The first stage embeds both the encoder input and the
+decoder input (the embedding is shared, so it lives on one stage) and sends the decoder embeddings along with
+the encoder hidden states; each stack's relative bias lives on the stage of its first block, which sends the
+computed bias on to the next stages of that stack, so every parameter keeps one owner and one name.
 """
 
 from __future__ import annotations
@@ -146,12 +148,7 @@ class T5Stack(nn.Module):
 
 class _T5Base(nn.Module):
     main_input_name = "input_ids"
-    # No `pipeline_layout`: pipeline parallelism refuses the model with a LayoutError. The reason, for messages:
-    pipeline_unsupported_reason = (
-        "T5 is an encoder-decoder: a decoder stage needs the encoder output as well as its own hidden states, "
-        "but pipeline stages pass one tensor"
-    )
-    # Sequence parallelism is not supported either: the relative bias and the cross-attention keys need the
+    # Sequence parallelism is not supported: the relative bias and the cross-attention keys need the
     # whole sequence, while SP hands each block a sequence shard. A start-up check can refuse it with this:
     sequence_parallel_unsupported_reason = (
         "T5's relative position bias and its cross-attention need the whole sequence in every block"
@@ -225,6 +222,16 @@ class T5ForConditionalGeneration(_T5Base):
     """
 
     has_lm_head = True
+    # Pipeline stages: encoder blocks then decoder blocks. The shared embedding is the first stage's; each
+    # relative bias belongs to the stage of its stack's first block, the encoder's final norm to the stage of
+    # its last block (see dufu.parallel.pipeline.build_stage_module).
+    pipeline_layout = {
+        "blocks": ("encoder.blocks", "decoder.blocks"),
+        "first": ("wte",),
+        "last": ("decoder.final_norm", "lm_head"),
+        "before": {"encoder.relative_bias": "encoder.blocks", "decoder.relative_bias": "decoder.blocks"},
+        "after": {"encoder.final_norm": "encoder.blocks"},
+    }
 
     def __init__(
         self,
@@ -266,9 +273,11 @@ class T5ForConditionalGeneration(_T5Base):
             self.init_weights()
 
     def tie_weights(self) -> None:
-        """The head uses the token embedding's tensor (``tie_word_embeddings``); re-tie after ``to_empty``."""
-        if self.tie_word_embeddings and getattr(self, "lm_head", None) is not None:
-            self.lm_head.weight = self.wte.weight
+        """The head uses the token embedding's tensor (``tie_word_embeddings``); re-tie after ``to_empty``.
+        A pipeline stage that holds only one of them (its own copy of the head) has nothing to tie."""
+        wte, lm_head = getattr(self, "wte", None), getattr(self, "lm_head", None)
+        if self.tie_word_embeddings and wte is not None and lm_head is not None:
+            lm_head.weight = wte.weight
 
     def untie_weights(self) -> None:
         """Give the head its own copy of the embedding (e.g. to load a checkpoint whose head differs)."""
@@ -282,6 +291,10 @@ class T5ForConditionalGeneration(_T5Base):
         start = torch.full_like(labels[:, :1], self.decoder_start_token_id)
         shifted = torch.cat([start, labels[:, :-1]], dim=1)
         return shifted.masked_fill(shifted == -100, self.pad_token_id)
+
+    def prepare_decoder_input_ids_from_labels(self, labels: torch.Tensor) -> torch.Tensor:
+        """The decoder inputs for ``labels`` (transformers' name; a pipeline's first stage gets them so)."""
+        return self.shift_right(labels)
 
     def encode(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         return self.encoder(self._embed(input_ids), attention_mask)  # (B, S, C)
@@ -312,6 +325,68 @@ class T5ForConditionalGeneration(_T5Base):
         loss = seq2seq_lm_loss(logits, labels) if labels is not None else None
         return ModelOutput(loss=loss, logits=logits)
 
+    def pipeline_forward(
+        self,
+        *received: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        decoder_input_ids: Optional[torch.Tensor] = None,
+        decoder_attention_mask: Optional[torch.Tensor] = None,
+    ):
+        """One pipeline stage: the computation of ``forward``, cut after any block.
+
+        The masks and ``decoder_input_ids`` reach every stage as keywords; ``received`` is what the stage
+        before sent, which depends on where this stage starts:
+
+        * first stage: ``(input_ids,)``;
+        * inside the encoder: ``(encoder hidden (B, S, C), decoder embeddings (B, T, C), encoder relative
+          bias (1, nh, S, S))``;
+        * at the first decoder block: ``(encoder output, decoder embeddings)``;
+        * inside the decoder: ``(encoder output, decoder hidden (B, T, C), decoder relative bias (1, nh, T, T))``.
+
+        A stage returns the tuple the next one expects; the last stage returns the logits (B, T, V)."""
+        enc, dec = self.encoder, self.decoder
+        if self.wte is not None:
+            (input_ids,) = received
+            if decoder_input_ids is None:
+                raise ValueError(f"{type(self).__name__}: the first pipeline stage needs decoder_input_ids")
+            h, dec_h, enc_rel = enc.drop(self._embed(input_ids)), self._embed(decoder_input_ids), None
+        elif len(enc.blocks):
+            h, dec_h, enc_rel = received
+        elif dec.relative_bias is not None:
+            h, dec_h = received
+        else:
+            h, dec_h, dec_rel = received
+        if len(enc.blocks):  # this stage runs encoder blocks
+            if enc.relative_bias is not None:
+                enc_rel = enc.relative_bias(h.shape[1], h.shape[1])  # (1, nh, S, S)
+            bias = enc_rel
+            if attention_mask is not None:
+                bias = bias + padding_mask_to_bias(attention_mask, bias.dtype)  # (B, nh, S, S)
+            for block in enc.blocks.values():
+                h = block(h, bias)
+            if enc.final_norm is None:  # the encoder goes on in the next stage
+                return h, dec_h, enc_rel
+            h = enc.drop(enc.final_norm(h))  # the encoder output (B, S, C)
+            if not len(dec.blocks):
+                return h, dec_h
+        if dec.relative_bias is not None:  # this stage runs the first decoder block
+            dec_rel = dec.relative_bias(dec_h.shape[1], dec_h.shape[1])  # (1, nh, T, T)
+            dec_h = dec.drop(dec_h)
+        bias = dec_rel
+        if decoder_attention_mask is not None:
+            bias = bias + padding_mask_to_bias(decoder_attention_mask, bias.dtype)  # (B, nh, T, T)
+        cross_bias = padding_mask_to_bias(attention_mask, dec_h.dtype) if attention_mask is not None else None
+        for block in dec.blocks.values():
+            dec_h = block(dec_h, bias, h, cross_bias)
+        if dec.final_norm is None:  # the decoder goes on in the next stage
+            return h, dec_h, dec_rel
+        dec_h = dec.drop(dec.final_norm(dec_h))
+        if self.lm_head is None:
+            return dec_h
+        if self.scale_decoder_outputs:
+            dec_h = dec_h * self.d_model ** -0.5
+        return self.lm_head(dec_h)  # (B, T, V)
+
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, attention_mask: Optional[torch.Tensor] = None,
                  eos_token_id: Optional[int] = None) -> torch.Tensor:
@@ -340,6 +415,12 @@ class T5Model(T5ForConditionalGeneration):
 
 class T5EncoderModel(_T5Base):
     """The T5 encoder alone (transformers' ``T5EncoderModel``): returns ``last_hidden_state`` (B, S, C)."""
+
+    # No `pipeline_layout`: pipeline parallelism refuses the model with a LayoutError. The reason, for messages:
+    pipeline_unsupported_reason = (
+        "pipeline stages are implemented for the encoder-decoder (T5ForConditionalGeneration), not for the "
+        "encoder alone."
+    )
 
     def __init__(
         self,
@@ -373,6 +454,9 @@ def seq2seq_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: in
     """Mean token cross entropy in fp32 over the decoder positions (labels are not shifted: position t
     predicts ``labels[:, t]``)."""
     return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
+
+
+T5ForConditionalGeneration.pipeline_loss = staticmethod(seq2seq_lm_loss)
 
 
 def count_t5_parameters(vocab_size: int, d_model: int, d_kv: int, d_ff: int, num_layers: int, num_heads: int,
