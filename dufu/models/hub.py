@@ -208,6 +208,22 @@ class HFWeights(Mapping):
         return len(self._eager if self._eager is not None else self._files)
 
 
+def renamed_sources(hf, rules, wanted: Mapping[str, str]) -> dict[str, Callable[[], torch.Tensor]]:
+    """Readers for a lazy adapter whose transformers names changed between versions: every stored name of
+    ``hf`` (a dict or :class:`HFWeights`; only names are looked at) is normalised by the regex ``rules``
+    ``[(pattern, replacement), ...]``, and each dufu name in ``wanted`` (dufu name -> normalised transformers
+    name) present there gets a zero-argument callable that reads its tensor."""
+    import re
+
+    stored = {}
+    for key in hf:
+        name = key
+        for pattern, repl in rules:
+            name = re.sub(pattern, repl, name)
+        stored[name] = key
+    return {ours: (lambda k=stored[theirs]: hf[k]) for ours, theirs in wanted.items() if theirs in stored}
+
+
 def _resolve_dufu_checkpoint(path: str | Path) -> Path:
     from dufu.engine.checkpoint import Checkpointer
 

@@ -96,7 +96,7 @@ def test_transformers_in_memory_names_load_too():
                                  num_attention_heads=4, intermediate_size=48, num_labels=7)
     hf = transformers.ViTForImageClassification(cfg).eval()
     model = make()
-    sd = state_dict_from_hf(hf.state_dict(), model)
+    sd = {k: read() for k, read in state_dict_from_hf(hf.state_dict(), model).items()}  # lazy readers
     assert set(sd) == set(model.state_dict())
     model.load_state_dict(sd)
     x = torch.randn(2, 3, 16, 16)

@@ -13,7 +13,7 @@ import re
 
 import torch
 
-from dufu.models.vit.hf import ACT_TO_HF, activation_from_hf, labels_to_hf, normalize_hf_names, num_labels_from_hf
+from dufu.models.vit.hf import ACT_TO_HF, activation_from_hf, labels_to_hf, num_labels_from_hf
 
 _BLOCK = {
     "ln1": "layernorm_before",
@@ -116,9 +116,11 @@ def _name_map(model) -> dict[str, str]:
     return out
 
 
-def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    hf_sd = normalize_hf_names(hf_sd, _NEW_TO_SAVED)
-    return {ours: hf_sd[theirs] for ours, theirs in _name_map(model).items() if theirs in hf_sd}
+def state_dict_from_hf(hf_sd, model) -> dict:
+    """Readers (zero-argument callables) of the transformers tensors for ``model``'s names."""
+    from dufu.models.hub import renamed_sources
+
+    return renamed_sources(hf_sd, _NEW_TO_SAVED, _name_map(model))
 
 
 def state_dict_to_hf(sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
@@ -139,6 +141,7 @@ def _register() -> None:
         state_dict_to_hf=state_dict_to_hf,
         default_architecture="SwinForImageClassification",
         dufu_classes=(SwinForImageClassification,),
+        lazy=True,
     ))
 
 

@@ -113,18 +113,11 @@ def _hf_name(name: str) -> str:
     return fixed[name]
 
 
-def normalize_hf_names(hf_sd: dict, rules) -> dict:
-    out = {}
-    for k, v in hf_sd.items():
-        for pattern, repl in rules:
-            k = re.sub(pattern, repl, k)
-        out[k] = v
-    return out
+def state_dict_from_hf(hf_sd, model) -> dict:
+    """Readers (zero-argument callables) of the transformers tensors for ``model``'s names."""
+    from dufu.models.hub import renamed_sources
 
-
-def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    hf_sd = normalize_hf_names(hf_sd, _NEW_TO_SAVED)
-    return {name: hf_sd[_hf_name(name)] for name in model.state_dict() if _hf_name(name) in hf_sd}
+    return renamed_sources(hf_sd, _NEW_TO_SAVED, {name: _hf_name(name) for name in model.state_dict()})
 
 
 def state_dict_to_hf(sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
@@ -144,6 +137,7 @@ def _register() -> None:
         state_dict_to_hf=state_dict_to_hf,
         default_architecture="ViTForImageClassification",
         dufu_classes=(ViTForImageClassification,),
+        lazy=True,
     ))
 
 
