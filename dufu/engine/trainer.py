@@ -33,14 +33,14 @@ from dufu.engine import faults
 from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
 from dufu.engine.validate import resolve_batch_sizes, validate_config
-from dufu.errors import ConfigError, DistributedFailure, DufuError, LayoutError
+from dufu.errors import ConfigError, DistributedFailure, DufuError
 from dufu.models.gpt import causal_lm_loss
 from dufu.models.hub import pretrained_source
 from dufu.parallel import parallelize
 from dufu.parallel.checks import validate_layout
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients, tied_parameters
 from dufu.parallel.materialize import materialize_, supports_meta_init
-from dufu.parallel.pipeline import build_schedule, build_stage_module, make_stages
+from dufu.parallel.pipeline import build_schedule, build_stage_module, make_stages, split_pipeline_batch
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -330,17 +330,11 @@ class Trainer:
             ctx.enter_context(loss_parallel())
         return ctx
 
-    def _pipeline_io(self, inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first stage's input and the last stage's target. Pipeline stages pass one tensor between them,
-        so other model inputs (e.g. an attention mask) are not supported under pipeline parallelism."""
-        extra = set(inputs) - {self.main_input_name, "labels", "shift_labels"}
-        if extra:
-            raise LayoutError(
-                f"pipeline parallelism passes only {self.main_input_name!r} between stages, but the batch also has "
-                f"{sorted(extra)}. Use data/tensor parallelism for this data, or data without them."
-            )
-        target = inputs["shift_labels"] if "shift_labels" in inputs else inputs["labels"]
-        return inputs[self.main_input_name], target
+    def _pipeline_io(self, inputs: dict) -> tuple[tuple, dict, torch.Tensor]:
+        """This rank's positional inputs (the main input on the first stage, none elsewhere), the keyword
+        inputs every stage gets (masks, token types ...) and the last stage's target."""
+        first, kwargs, target = split_pipeline_batch(self.model_parts[0], inputs, self.main_input_name)
+        return (first if self.stage_flags["first"] else ()), kwargs, target
 
     def _set_gradient_sync(self, enabled: bool) -> None:
         for part in self.model_parts:
@@ -355,13 +349,10 @@ class Trainer:
         n = len(micro_batches)
         if self.schedule is not None:
             inputs = self._batch(self.train_ds, [i for mb in micro_batches for i in mb])
-            x, target = self._pipeline_io(inputs)
+            args, kwargs, target = self._pipeline_io(inputs)
             losses = []
             with self.autocast():
-                if self.stage_flags["first"]:
-                    self.schedule.step(x, target=target, losses=losses)
-                else:
-                    self.schedule.step(target=target, losses=losses)
+                self.schedule.step(*args, target=target, losses=losses, **kwargs)
             if not self.stage_flags["last"]:
                 return torch.zeros((), device=self.device)
             scale = self.scaler.scale if self.scaler is not None else 1.0
@@ -462,11 +453,8 @@ class Trainer:
             with self.autocast():
                 if self.schedule is not None:
                     losses = []
-                    x, target = self._pipeline_io(inputs)
-                    if self.stage_flags["first"]:
-                        self.schedule.eval(x, target=target, losses=losses)
-                    else:
-                        self.schedule.eval(target=target, losses=losses)
+                    args, kwargs, target = self._pipeline_io(inputs)
+                    self.schedule.eval(*args, target=target, losses=losses, **kwargs)
                     if self.stage_flags["last"]:
                         total += torch.stack([local_scalar(l) for l in losses]).mean()
                 else:

@@ -33,6 +33,7 @@ from torch import nn
 
 from dufu.layers import MLP, Attention, GatedMLP, HeadwiseEmbedding, Linear, RMSNorm, VocabEmbedding
 from dufu.layers.attention import padding_mask_to_bias
+from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
 
 FEED_FORWARD = ("relu", "gated-gelu")
@@ -146,7 +147,7 @@ class T5Stack(nn.Module):
         return self.drop(self.final_norm(h))
 
 
-class _T5Base(nn.Module):
+class _T5Base(InitByModule, nn.Module):
     main_input_name = "input_ids"
     # Sequence parallelism is not supported: the relative bias and the cross-attention keys need the
     # whole sequence, while SP hands each block a sequence shard. A start-up check can refuse it with this:
@@ -178,33 +179,33 @@ class _T5Base(nn.Module):
                        self.feed_forward_proj, self.dropout_rate, self.layer_norm_epsilon,
                        self.relative_attention_num_buckets, self.relative_attention_max_distance)
 
-    @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_module(self, name: str, module: nn.Module) -> None:
         """Mesh TensorFlow's T5 initialisation (as in the paper's code): each matrix N(0, fan_in^-1/2), where
         the query also absorbs the missing 1/sqrt(d_kv) of the attention; embeddings N(0, 1); norms 1."""
-        self.tie_weights()
         f = self.initializer_factor
         d, inner = self.d_model, self.num_attention_heads * self.d_kv
-        for module in self.modules():
-            if isinstance(module, Attention):
-                nn.init.normal_(module.q_proj.weight, std=f * (d * self.d_kv) ** -0.5)
-                nn.init.normal_(module.k_proj.weight, std=f * d ** -0.5)
-                nn.init.normal_(module.v_proj.weight, std=f * d ** -0.5)
-                nn.init.normal_(module.out_proj.weight, std=f * inner ** -0.5)
-            elif isinstance(module, (MLP, GatedMLP)):
-                for lin in module.children():
-                    if isinstance(lin, nn.Linear):  # wi: d_model^-1/2, wo: d_ff^-1/2
-                        nn.init.normal_(lin.weight, std=f * lin.in_features ** -0.5)
-            elif isinstance(module, HeadwiseEmbedding):
-                nn.init.normal_(module.weight, std=f * d ** -0.5)
-            elif isinstance(module, VocabEmbedding):
-                nn.init.normal_(module.weight, std=f * 1.0)
-            elif isinstance(module, nn.RMSNorm):
-                nn.init.constant_(module.weight, f * 1.0)
-        head = getattr(self, "lm_head", None)
-        if head is not None and not self.tie_word_embeddings:
-            # untied head: N(0, d^-1/2) keeps the initial logits ~N(0, 1), so the first loss is ~log(vocab)
-            nn.init.normal_(head.weight, std=f * d ** -0.5)
+        leaf = name.rsplit(".", 1)[-1]
+        if isinstance(module, nn.Linear):
+            if self.is_tied_alias(f"{name}.weight"):
+                return
+            if leaf == "lm_head":
+                # untied head: N(0, d^-1/2) keeps the initial logits ~N(0, 1), so the first loss is ~log(vocab)
+                std = d ** -0.5
+            elif leaf == "q_proj":
+                std = (d * self.d_kv) ** -0.5
+            elif leaf in ("k_proj", "v_proj"):
+                std = d ** -0.5
+            elif leaf == "out_proj":
+                std = inner ** -0.5
+            else:  # the feed-forward's wi (d_model^-1/2) and wo (d_ff^-1/2): fan-in
+                std = module.in_features ** -0.5
+            nn.init.normal_(module.weight, std=f * std)
+        elif isinstance(module, HeadwiseEmbedding):
+            nn.init.normal_(module.weight, std=f * d ** -0.5)
+        elif isinstance(module, VocabEmbedding):
+            nn.init.normal_(module.weight, std=f * 1.0)
+        elif isinstance(module, nn.RMSNorm):
+            nn.init.constant_(module.weight, f * 1.0)
 
     def tie_weights(self) -> None:
         pass
