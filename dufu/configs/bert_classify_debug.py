@@ -9,6 +9,7 @@ from dufu.models.bert import BertForSequenceClassification
 
 from .common.optim import optim
 from .common.train import train
+from .common.debug import debug_run
 
 model = L(BertForSequenceClassification)(
     vocab_size=384,
@@ -30,15 +31,4 @@ dataloader = dict(
     train=L(build_topic_classification_datasets)(seq_length=32, valid_fraction=0.2, seed=0),
 )
 
-optim.lr = 1e-3
-train.update(
-    output_dir="output/bert_classify_debug",
-    train_iter=20,
-    train_micro_batch_size=4,
-    log_period=1,
-)
-train.amp.enabled = False
-train.scheduler.warmup_iter = 2
-train.evaluation.update(eval_period=10, eval_iter=4)
-train.checkpointer.period = 10
-train.tensorboard = False
+debug_run(train, optim, "output/bert_classify_debug")

@@ -2,6 +2,7 @@
 # hidden 64, 4 heads, the byte-level vocabulary (257 tokens + the mask token 257, padded to 384 so it splits
 # over 2, 4 or 8 tensor-parallel ranks), sequence 32, no dropout, fp32.
 from .bert_pretrain import dataloader, model, optim, tokenization, train
+from .common.debug import debug_run
 
 model.update(
     vocab_size=384,
@@ -15,15 +16,4 @@ model.update(
 tokenization.tokenizer.update(kind="byte", vocab_size=None)
 dataloader.train.seq_length = 32
 
-optim.lr = 1e-3
-train.update(
-    output_dir="output/bert_debug",
-    train_iter=20,
-    train_micro_batch_size=4,
-    log_period=1,
-)
-train.amp.enabled = False
-train.scheduler.warmup_iter = 2
-train.evaluation.update(eval_period=10, eval_iter=4)
-train.checkpointer.period = 10
-train.tensorboard = False
+debug_run(train, optim, "output/bert_debug")

@@ -5,6 +5,7 @@ from .common.data.corpus import dataloader, tokenization
 from .common.models.gpt import model
 from .common.optim import optim
 from .common.train import train
+from .common.debug import debug_run
 
 model.update(
     vocab_size=384,
@@ -19,14 +20,4 @@ model.update(
 tokenization.tokenizer.update(kind="byte", vocab_size=None)
 dataloader.train.seq_length = 32
 
-optim.lr = 1e-3
-train.update(
-    output_dir="output/gpt_debug",
-    train_iter=20,
-    train_micro_batch_size=4,
-    log_period=1,
-)
-train.scheduler.warmup_iter = 2
-train.evaluation.update(eval_period=10, eval_iter=4)
-train.checkpointer.period = 10
-train.tensorboard = False
+debug_run(train, optim, "output/gpt_debug")

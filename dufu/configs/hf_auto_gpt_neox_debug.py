@@ -8,6 +8,7 @@ from dufu.models.hf_auto import HFAutoModel
 from .common.data.corpus import dataloader, tokenization
 from .common.optim import optim
 from .common.train import train
+from .common.debug import debug_run
 
 model = L(HFAutoModel)(
     model_type="gpt_neox",
@@ -33,14 +34,4 @@ model = L(HFAutoModel)(
 tokenization.tokenizer.update(kind="byte", vocab_size=None)
 dataloader.train.seq_length = 32
 
-optim.lr = 1e-3
-train.update(
-    output_dir="output/hf_auto_gpt_neox_debug",
-    train_iter=20,
-    train_micro_batch_size=4,
-    log_period=1,
-)
-train.scheduler.warmup_iter = 2
-train.evaluation.update(eval_period=10, eval_iter=4)
-train.checkpointer.period = 10
-train.tensorboard = False
+debug_run(train, optim, "output/hf_auto_gpt_neox_debug")

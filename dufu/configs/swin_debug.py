@@ -2,6 +2,7 @@
 # 4 x 4 windows, two stages of 2 blocks (8 x 8 with shifted windows, patch merging, 4 x 4), embed_dim 16,
 # heads 2-4 (divisible by tensor_parallel_size=2), 10 classes, no drop path, fp32.
 from .swin_digits import dataloader, model, optim, tokenization, train
+from .common.debug import debug_run
 
 model.update(
     image_size=16,
@@ -16,14 +17,4 @@ model.update(
 )
 dataloader.train.update(image_size=16, num_channels=1)
 
-optim.lr = 1e-3
-train.update(
-    output_dir="output/swin_debug",
-    train_iter=20,
-    train_micro_batch_size=4,
-    log_period=1,
-)
-train.scheduler.warmup_iter = 2
-train.evaluation.update(eval_period=10, eval_iter=4)
-train.checkpointer.period = 10
-train.tensorboard = False
+debug_run(train, optim, "output/swin_debug")
