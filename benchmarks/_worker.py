@@ -5,10 +5,15 @@
 It runs exactly what ``dufu train`` runs in a worker (``dufu.cli.main``). When ``DUFU_BENCH_MEMORY_DIR`` is set,
 it writes ``rank<R>.json`` there with the peak resident set size (RSS) of this process in three phases:
 
-* ``build``      -- from the start of ``Trainer.__init__`` (all imports done) to its end: data, the full model,
-                    process group, sharding, optimizer objects (AdamW creates its state lazily, at the first step);
+* ``build``      -- from the start of ``Trainer.__init__`` (all imports done) to its end: data, the model
+                    (on the meta device, then each rank's shards, or with ``train.meta_init=False`` the full
+                    model first), process group, sharding, optimizer objects (AdamW creates its state lazily,
+                    at the first step);
 * ``train``      -- from there to the start of the final checkpoint save: the training steps;
 * ``checkpoint`` -- the final checkpoint save (the trainer always saves at the last step).
+
+It also records the trainer's ``meta_init`` and the parameters the rank holds once built
+(``held_parameters``, ``held_parameter_bytes``: local shards of DTensors, tied tensors once).
 
 Phase peaks come from the kernel's high-water mark (``VmHWM`` in ``/proc/self/status``), reset between phases
 by writing ``5`` to ``/proc/self/clear_refs`` (Linux >= 4.0). Where that reset is refused, the phase values are
@@ -80,6 +85,17 @@ class MemoryRecorder:
         os.replace(tmp, self.out_dir / f"rank{rank}.json")
 
 
+def held_parameters(parts) -> dict:
+    """The parameters this rank holds after building: its pipeline stages' own tensors, each DTensor counted
+    by its local shard, a tensor shared by two names once. Read after the build phase; allocates nothing."""
+    from torch.distributed.tensor import DTensor
+
+    unique = {id(p): p for part in parts for p in part.parameters()}
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in unique.values()]
+    return {"held_parameters": sum(t.numel() for t in local),
+            "held_parameter_bytes": sum(t.numel() * t.element_size() for t in local)}
+
+
 def install(recorder: MemoryRecorder) -> None:
     import atexit
 
@@ -92,6 +108,7 @@ def install(recorder: MemoryRecorder) -> None:
         recorder.mark_start()
         init(self, *args, **kwargs)
         recorder.end_phase("build")
+        recorder.record.update(held_parameters(self.model_parts), meta_init=bool(self.meta_init))
 
     def save_checkpoint(self, *args, **kwargs):
         recorder.end_phase("train")

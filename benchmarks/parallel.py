@@ -1,9 +1,10 @@
-"""Parallel layouts side by side in one run: training throughput of a small GPT in ten layouts, and the
-per-rank peak memory of ZeRO stages 0-3 at dp 2 and dp 4 next to the theory.
+"""Parallel layouts side by side in one run: training throughput of a small GPT in ten layouts, the per-rank
+peak memory of ZeRO stages 0-3 at dp 2 and dp 4 next to the theory, and the build-phase memory per rank with
+``train.meta_init=True`` vs ``False`` next to what each should hold.
 
-    python benchmarks/parallel.py                    # full run: ~10 CPU-minutes, so ~6 minutes on 2 idle cores
-    python benchmarks/parallel.py --quick            # smoke run: ~2 CPU-minutes; 4 layouts, 6 steps, small model
-    python benchmarks/parallel.py --only throughput  # or --only memory
+    python benchmarks/parallel.py                    # full run: ~15 CPU-minutes, so ~9 minutes on 2 idle cores
+    python benchmarks/parallel.py --quick            # smoke run: ~3 CPU-minutes; 4 layouts, 6 steps, small model
+    python benchmarks/parallel.py --only throughput  # or --only memory, --only init
     python benchmarks/parallel.py --layouts 1proc,tp2sp,dp2tp2pp2
 
 On a CPU these numbers only show that the machinery works and how memory scales with the layout: here 2 cores
@@ -39,6 +40,23 @@ peak - baseline per rank (the larger of the ranks) next to
   bytes per parameter for both stages -- the paper's ZeRO-2 number, below its ZeRO-1 number. Stage 3 frees each
   block's gathered parameters after forward, but the root unit (embeddings, tied head, final norm) is never
   resharded after forward: 16/dp bytes per parameter plus 4 bytes per root parameter.
+
+**Build memory, meta-device init vs the full model first** (``--only init``). The memory model runs 2 steps
+in 1 process, dp2 ZeRO off (DDP), dp2 and dp4 ZeRO-3, tp2 and pp2 (1F1B, 2 micro-batches), each layout
+twice: ``train.meta_init=True`` (the default: the model is built on the meta device, split into pipeline
+stages and sharded, then each rank allocates and initialises only its shards, ``dufu/parallel/materialize.py``)
+and ``train.meta_init=False`` (the full fp32 model is built and initialised on every rank first). Each layout
+has its own baseline (the tiny model, with as many layers as pipeline stages). Besides the RSS per phase,
+``_worker.py`` counts the parameters each rank holds after the build (local shards of DTensors, a tied tensor
+once). The table puts the build phase and the whole run's peak, minus baseline, next to
+
+* meta: 4 B x the parameters the rank holds (about P / n: n = dp under ZeRO, tp, the stage's share under PP;
+  the last stage holds its own copy of a tied embedding) + the largest single module, which the initialiser
+  fills in full (a CPU tensor of the global shape) before the rank's shard is cut from it;
+* full: 4 B x P, the whole model on every rank, + the same largest module (``meta_init=False`` fills the full
+  model through the same per-module initialiser, which is why both give the same weights).
+
+1 process and DDP are the controls: a rank there holds every parameter, so the two builds should match.
 
 The memory runs use glibc malloc with ``MALLOC_MMAP_THRESHOLD_=65536``: every allocation of 64 KiB or more gets
 its own mapping and goes back to the system when freed, so RSS follows the live tensors. glibc's default
@@ -147,6 +165,17 @@ LAYOUTS = [
     Layout("dp2tp2pp2", "dp2 x tp2 x pp2", dp=2, tp=2, pp=2),
 ]
 QUICK_LAYOUTS = ["1proc", "tp2sp", "dp2z3", "dp2tp2pp2"]
+
+# Build memory with train.meta_init=True vs False (the memory model, 2 steps each).
+INIT_LAYOUTS = [
+    Layout("1proc", "1 process"),
+    Layout("dp2", "dp2 ZeRO off (DDP)", dp=2),
+    Layout("dp2z3", "dp2 ZeRO-3", dp=2, zero=3),
+    Layout("dp4z3", "dp4 ZeRO-3", dp=4, zero=3),
+    Layout("tp2", "tp2", tp=2),
+    Layout("pp2", "pp2 (1f1b)", pp=2),
+]
+QUICK_INIT_LAYOUTS = ["dp2z3", "tp2"]
 
 
 def model_overrides(model: dict, seq: int) -> list[str]:
@@ -266,7 +295,9 @@ def throughput_runs(layouts: list[Layout], steps: int, warmup: int, threads: int
 
 # ----------------------------------------------------------------------------- memory
 def parameter_counts(model: dict) -> dict:
-    """Exact parameter counts of the memory model, built on the meta device: total, root unit, one block."""
+    """Exact parameter counts of the memory model, built on the meta device: total, root unit, one block, and
+    the largest module's own parameters and buffers (what the meta-device initialisation fills in full at once:
+    ``dufu.parallel.materialize.ModuleInitializer``)."""
     import torch
 
     from dufu.config import LazyConfig, instantiate, resolve_config_path
@@ -280,8 +311,11 @@ def parameter_counts(model: dict) -> dict:
     total = unique(m.parameters())
     blocks = transformer_blocks(m)
     in_blocks = sum(unique(b.parameters()) for _, b in blocks)
+    own = {name: sum(t.numel() * t.element_size() for t in [*mod._parameters.values(), *mod._buffers.values()]
+                     if t is not None) for name, mod in m.named_modules()}
+    largest = max(own, key=own.get)
     return {"total": total, "root": total - in_blocks, "per_block": in_blocks // max(1, len(blocks)),
-            "num_blocks": len(blocks)}
+            "num_blocks": len(blocks), "largest_module": largest, "largest_module_bytes": own[largest]}
 
 
 def theory_bytes(P: int, stage: int, dp: int) -> float:
@@ -313,22 +347,29 @@ def read_ranks(mem_dir: Path, nproc: int) -> list[dict] | None:
     return [json.loads(f.read_text()) for f in files]
 
 
-def memory_job(label: str, dp: int, stage: int, model: dict, allocator: str, work: Path, cache: Path,
-               timeout: float) -> tuple[Run, list[dict] | None]:
+def worker_job(label: str, nproc: int, global_batch: int, model: dict, overrides: list[str], allocator: str,
+               work: Path, cache: Path, timeout: float) -> tuple[Run, list[dict] | None]:
+    """One memory-recording training run (``_worker.py`` under torchrun), micro-batch 1; every rank's record."""
     out = work / "memory" / label
     mem_dir = out / "mem"
-    zero = ["train.zero_optimization.enabled=False"] if stage == 0 else [
-        "train.zero_optimization.enabled=True", f"train.zero_optimization.stage={stage}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={dp}", str(WORKER),
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
            "train", "gpt_debug", f"train.output_dir={out / 'run'}", *COMMON, f"train.train_iter={MEMORY_STEPS}",
-           "train.train_micro_batch_size=1", f"train.global_batch_size={dp}",
+           "train.train_micro_batch_size=1", f"train.global_batch_size={global_batch}",
            "train.peak_tflops=1.0",  # skip the peak-FLOP/s matmul measurement (3 x 16 MiB of buffers)
-           *model_overrides(model, MEMORY_SEQ), f"train.dist.data_parallel_size={dp}", *zero]
+           *model_overrides(model, MEMORY_SEQ), *overrides]
     env = base_env(cache, 1, {"DUFU_BENCH_MEMORY_DIR": str(mem_dir), **ALLOCATORS[allocator]})
     run = execute(Run(label, cmd, env, out), timeout)
-    ranks = read_ranks(mem_dir, dp) if run.rc == 0 else None
+    ranks = read_ranks(mem_dir, nproc) if run.rc == 0 else None
     drop_checkpoints(out / "run")
     return run, ranks
+
+
+def memory_job(label: str, dp: int, stage: int, model: dict, allocator: str, work: Path, cache: Path,
+               timeout: float) -> tuple[Run, list[dict] | None]:
+    zero = ["train.zero_optimization.enabled=False"] if stage == 0 else [
+        "train.zero_optimization.enabled=True", f"train.zero_optimization.stage={stage}"]
+    return worker_job(label, dp, dp, model, [f"train.dist.data_parallel_size={dp}", *zero], allocator, work, cache,
+                      timeout)
 
 
 def phase_mib(rank: dict, phase: str) -> float:
@@ -391,7 +432,7 @@ def memory_runs(jobs: list[MemoryJob], model: dict, work: Path, cache: Path, tim
         peaks = [phase_mib(r, "peak") for r in ranks]
         progress(f"{head} peak RSS per rank {', '.join(f'{p:,.0f}' for p in peaks)} MiB  "
                  f"[{run.seconds:.0f} s, load {run.load_before:.1f}]")
-        row.update(ranks=ranks, peak_mib_max_rank=max(peaks))
+        row.update(ranks=ranks, peak_mib_max_rank=max(peaks), meta_init=ranks[0].get("meta_init"))
         if job.kind == "baseline":
             baselines[(job.dp, job.allocator)] = ranks
             rows.append(row)
@@ -409,6 +450,115 @@ def memory_runs(jobs: list[MemoryJob], model: dict, work: Path, cache: Path, tim
     return {"model": model, "parameters": counts["tied"], "parameters_untied": counts["untied"],
             "steps": MEMORY_STEPS, "seq_length": MEMORY_SEQ, "micro_batch_size": 1, "allocators": ALLOCATORS,
             "rows": rows}
+
+
+# ----------------------------------------------------------------------------- build memory: meta vs full init
+def shard_divisor(layout: Layout) -> int:
+    """n in the rough per-rank parameter share P / n: ZeRO shards the parameters over dp (every stage runs on
+    FSDP2, whose parameters rest sharded; ZeRO off, i.e. DDP, replicates them), TP over tp, PP splits the
+    blocks over pp stages."""
+    return (layout.dp if layout.zero else 1) * layout.tp * layout.pp
+
+
+def baseline_label(layout: Layout) -> str:
+    return f"init-baseline-dp{layout.dp}-tp{layout.tp}-pp{layout.pp}"
+
+
+def init_overrides(layout: Layout, meta_init: bool) -> list[str]:
+    zero = [] if layout.zero is not None else ["train.zero_optimization.enabled=False"]
+    return [*layout.overrides(), *zero, f"train.meta_init={meta_init}"]
+
+
+def init_theory_mib(counts: dict, meta_init: bool, held_bytes: float) -> float:
+    """What the build phase should hold: meta -- the rank's own parameters plus the largest module, filled in
+    full before its shard is cut; full -- every parameter (4 B each in fp32) plus the largest module, since
+    ``meta_init=False`` fills the full model through the same per-module initialiser (same weights)."""
+    if meta_init:
+        return (held_bytes + counts["largest_module_bytes"]) / MiB
+    return (4.0 * counts["total"] + counts["largest_module_bytes"]) / MiB
+
+
+def _spread(values: list[float]) -> dict:
+    return {"max": max(values), "min": min(values), "per_rank": values}
+
+
+def derive_init_row(row: dict, counts: dict, base: list[dict] | None) -> None:
+    """The theory and the differences to the baseline, per rank, from the raw rank records."""
+    ranks = row["ranks"]
+    held = [r.get("held_parameter_bytes", 4.0 * counts["total"] / row["shard_divisor"]) for r in ranks]
+    row["theory_build_mib"] = _spread([init_theory_mib(counts, row["meta_init"], h) for h in held])
+    if base is None:
+        return
+    for phase in ("peak", "build", "train", "checkpoint"):
+        row[f"{phase}_minus_baseline_mib"] = _spread(
+            [phase_mib(r, phase) - phase_mib(b, phase) for r, b in zip(ranks, base)])
+    row["build_minus_theory_mib"] = _spread(
+        [b - t for b, t in zip(row["build_minus_baseline_mib"]["per_rank"], row["theory_build_mib"]["per_rank"])])
+
+
+def rederive_init(init: dict) -> None:
+    """Recompute the derived numbers of a results file's build comparison (for ``--from-json``)."""
+    base = {r["key"]: r.get("ranks") for r in init["rows"] if r["kind"] == "baseline"}
+    for row in init["rows"]:
+        if row["kind"] == "model" and row.get("ranks"):
+            derive_init_row(row, init["parameters"], base.get(row.get("baseline")))
+
+
+def init_runs(layouts: list[Layout], model: dict, work: Path, cache: Path, timeout: float, progress) -> dict:
+    """Every layout twice, ``train.meta_init=True`` and ``False``, after a baseline of the same layout (a tiny
+    model with as many layers as pipeline stages)."""
+    counts = parameter_counts(model)
+    baselines: dict[tuple, list[dict] | None] = {}
+    rows = []
+    n_jobs = len({(l.dp, l.tp, l.pp) for l in layouts}) + 2 * len(layouts)
+    i = 0
+    for layout in layouts:
+        shape = (layout.dp, layout.tp, layout.pp)
+        gb = layout.dp * layout.pp  # micro-batch 1; a pipeline needs pp micro-batches
+        if shape not in baselines:
+            i += 1
+            label = baseline_label(layout)
+            tiny = {**BASELINE_MODEL, "num_layers": max(BASELINE_MODEL["num_layers"], layout.pp)}
+            run, ranks = worker_job(label, layout.nproc, gb, tiny, init_overrides(layout, True), "mmap64k", work,
+                                    cache, timeout)
+            baselines[shape] = ranks
+            rows.append({"kind": "baseline", "key": label, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+                         "model": tiny, "returncode": run.rc, "wall_s": round(run.seconds, 1),
+                         "load_avg_before": round(run.load_before, 2),
+                         **({"ranks": ranks} if ranks else {"error": run.log_tail})})
+            state = ("peak RSS per rank " + ", ".join(f"{phase_mib(r, 'peak'):,.0f}" for r in ranks) + " MiB"
+                     if ranks else f"FAILED (exit {run.rc})")
+            progress(f"[init {i}/{n_jobs}] {'baseline ' + label[14:]:<28} {state}  "
+                     f"[{run.seconds:.0f} s, load {run.load_before:.1f}]")
+        base = baselines[shape]
+        for meta_init in (True, False):
+            i += 1
+            label = f"init-{layout.key}-{'meta' if meta_init else 'full'}"
+            run, ranks = worker_job(label, layout.nproc, gb, model, init_overrides(layout, meta_init), "mmap64k",
+                                    work, cache, timeout)
+            row = {"kind": "model", "key": layout.key, "layout": layout.title, "dp": layout.dp, "tp": layout.tp,
+                   "pp": layout.pp, "zero_stage": layout.zero, "nproc": layout.nproc, "meta_init": meta_init,
+                   "returncode": run.rc, "wall_s": round(run.seconds, 1), "load_avg_before": round(run.load_before, 2),
+                   "shard_divisor": shard_divisor(layout),
+                   "baseline": baseline_label(layout)}
+            head = f"[init {i}/{n_jobs}] {layout.title:<18} meta_init={str(meta_init):<5}"
+            if ranks is None:
+                last = (run.log_tail.strip().splitlines() or [""])[-1][:160]
+                progress(f"{head} FAILED (exit {run.rc}): {last}")
+                rows.append({**row, "error": run.log_tail})
+                continue
+            if any(r.get("meta_init") is not None and r["meta_init"] != meta_init for r in ranks):
+                row["note"] = "the trainer reported a different meta_init than requested"
+            row.update(ranks=ranks, peak_mib_max_rank=max(phase_mib(r, "peak") for r in ranks),
+                       held_parameters=[r.get("held_parameters") for r in ranks])
+            derive_init_row(row, counts, base)
+            build = row.get("build_minus_baseline_mib")
+            progress(f"{head} build - baseline {fmt(build and build['max'])} MiB (theory "
+                     f"{row['theory_build_mib']['max']:,.0f}), peak RSS {row['peak_mib_max_rank']:,.0f} MiB  "
+                     f"[{run.seconds:.0f} s, load {run.load_before:.1f}]")
+            rows.append(row)
+    return {"model": model, "parameters": counts, "steps": MEMORY_STEPS, "seq_length": MEMORY_SEQ,
+            "micro_batch_size": 1, "allocator": "mmap64k", "rows": rows}
 
 
 def prepare_data_cache() -> None:
@@ -432,6 +582,11 @@ def table(header: list[str], rows: list[list[str]]) -> list[str]:
 
 def fmt(x, spec=",.0f", none="-") -> str:
     return none if x is None else format(x, spec)
+
+
+def signed(x: float) -> str:
+    """A whole number of MiB with its sign, never "-0"."""
+    return f"{round(x):+,}"
 
 
 def throughput_table(rows: list[dict]) -> list[str]:
@@ -486,6 +641,55 @@ def memory_table(mem: dict, allocator: str) -> list[str]:
     return table(["layout", "params", "theory: model states", "dufu mechanism estimate", "peak RSS",
                   "baseline peak RSS", "peak - baseline", "build - baseline", "train - baseline",
                   "train - baseline - estimate", "checkpoint - baseline"], body)
+
+
+def _span(d: dict | None, spec: str = ",.0f") -> str:
+    """max over ranks, the min in parentheses where ranks differ by 5 MiB or more."""
+    if d is None:
+        return "-"
+    return format(d["max"], spec) if abs(d["max"] - d["min"]) < 5 else f"{d['max']:{spec}} ({d['min']:{spec}})"
+
+
+def init_pairs(init: dict) -> list[tuple[dict | None, dict | None]]:
+    """(meta_init=True row, meta_init=False row) per layout, in run order."""
+    keys = list(dict.fromkeys(r["key"] for r in init["rows"] if r["kind"] == "model"))
+    pick = lambda k, m: next((r for r in init["rows"] if r["kind"] == "model" and r["key"] == k  # noqa: E731
+                              and r["meta_init"] is m), None)
+    return [(pick(k, True), pick(k, False)) for k in keys]
+
+
+def _ok(r: dict | None) -> bool:
+    return r is not None and "build_minus_baseline_mib" in r
+
+
+def init_table(init: dict) -> list[str]:
+    P = init["parameters"]["total"]
+    body = []
+    for meta, full in init_pairs(init):
+        any_row = meta or full
+        held = [h for h in (meta or {}).get("held_parameters", []) if h is not None]
+        saved = None
+        if _ok(meta) and _ok(full):
+            saved = {k: full["build_minus_baseline_mib"][k] - meta["build_minus_baseline_mib"][k]
+                     for k in ("max", "min")}
+        body.append([
+            any_row["layout"], str(any_row["nproc"]),
+            (f"{max(held) / 1e6:.2f}M" + (f" ({min(held) / 1e6:.2f}M)" if max(held) - min(held) > 1e4 else "")
+             if held else "-"),
+            f"{P / any_row['shard_divisor'] / 1e6:.2f}M",
+            _span(meta.get("theory_build_mib") if meta else None),
+            _span(meta.get("build_minus_baseline_mib") if meta else None) if _ok(meta) else "failed",
+            _span(full.get("theory_build_mib") if full else None),
+            _span(full.get("build_minus_baseline_mib") if full else None) if _ok(full) else "failed",
+            signed(saved["max"]) if saved else "-",
+            _span(meta.get("peak_minus_baseline_mib") if meta else None),
+            _span(full.get("peak_minus_baseline_mib") if full else None),
+            _span(meta.get("train_minus_baseline_mib") if meta else None),
+        ])
+    return table(["layout", "procs", "parameters held per rank", "P / n", "theory, meta: 4 B x held + largest module",
+                  "build - baseline, meta_init=True", "theory, full: 4 B x P + largest module", "build - baseline, meta_init=False",
+                  "full - meta (build)", "peak - baseline, meta", "peak - baseline, full",
+                  "train - baseline, meta"], body)
 
 
 def allocator_table(mem: dict) -> list[str]:
@@ -566,7 +770,7 @@ def report(results: dict) -> str:
                   "MiB per rank, the largest rank; where ranks differ by 5 MiB or more, the smallest follows in "
                   "parentheses. Peak RSS is measured per worker process (`benchmarks/_worker.py`); baseline = the "
                   "same layout with a 1-layer, hidden-64 model (Python, torch, gloo, data). Phases: build = "
-                  "`Trainer.__init__` (data, the full model on every rank, process group, sharding), train = the "
+                  f"`Trainer.__init__` (data, {_build_how(mem)}, process group, sharding), train = the "
                   "steps, checkpoint = the final save.", "",
                   "*theory* = the ZeRO paper's model states: 4 B parameters + 4 B gradients + 8 B AdamW moments "
                   "per parameter; ZeRO-1 shards the moments over dp, ZeRO-2 also the gradients, ZeRO-3 also the "
@@ -580,13 +784,49 @@ def report(results: dict) -> str:
         if _model_rows(mem, "default"):
             lines += ["", "### The same layouts with glibc's default malloc", ""]
             lines += allocator_table(mem)
+    if "init" in results:
+        init = results["init"]
+        c = init["parameters"]
+        lines += ["", "## Build memory per rank: meta-device initialisation vs the full model first", "",
+                  f"The memory model again (`gpt_debug` with {init['model']}: P = {c['total']:,} parameters, "
+                  f"4 B x P = {4 * c['total'] / MiB:,.0f} MiB in fp32), {init['steps']} steps, micro-batch "
+                  f"{init['micro_batch_size']} (pp micro-batches per step under pipeline parallelism), glibc malloc "
+                  "with `MALLOC_MMAP_THRESHOLD_=65536`, each layout run twice: `train.meta_init=True` (the default: "
+                  "build on the meta device, split, shard, then allocate and initialise only the rank's shards, "
+                  "`dufu/parallel/materialize.py`) and `train.meta_init=False` (the full fp32 model built and "
+                  "initialised on every rank, then split and sharded). Baseline = the same layout with a tiny "
+                  "model (1 layer, or as many as pipeline stages; hidden 64). MiB per rank, the largest rank; "
+                  "where ranks differ by 5 MiB or more, the smallest follows in parentheses.", "",
+                  "*parameters held per rank* = counted in each worker after the build (local shards of DTensors, "
+                  "a tied tensor once; a last pipeline stage holds its own copy of a tied embedding); *P / n* = "
+                  "the simple share, n = dp under ZeRO, x tp, x pp. *theory, meta* = 4 B x the parameters the rank "
+                  f"holds + the largest single module filled in full before its shard is cut (`{c['largest_module']}`"
+                  f", {c['largest_module_bytes'] / MiB:,.0f} MiB); *theory, full* = 4 B x P, the whole model on "
+                  "every rank, + the same largest module (`meta_init=False` fills the full model through the "
+                  "same per-module initialiser, so both give the same weights). *full - meta* = what building on the meta device saves in the build phase. "
+                  "*peak* = the whole run's peak (build, train, checkpoint).", ""]
+        lines += init_table(init)
     if results.get("observations"):
         lines += ["", "## Observations", ""] + [f"* {o}" for o in results["observations"]]
     return "\n".join(lines) + "\n"
 
 
+def _build_how(mem: dict) -> str:
+    flags = {r.get("meta_init") for r in mem["rows"] if r["kind"] == "model" and r.get("returncode") == 0}
+    if flags == {True}:
+        return "the model built on the meta device, each rank allocating its own shards (`train.meta_init=True`)"
+    if flags == {False}:
+        return "the full model on every rank (`train.meta_init=False`)"
+    return "the full model on every rank"  # results from before the meta-device build recorded the flag
+
+
 def observations(results: dict) -> list[str]:
     """Statements computed from this run's numbers (nothing here is a fixed claim)."""
+    return run_observations(results) + init_observations(results.get("init"))
+
+
+def run_observations(results: dict) -> list[str]:
+    """Throughput and ZeRO memory."""
     obs = []
     rows = results.get("throughput", [])
     ok = [r for r in rows if "median_tokens_per_s" in r]
@@ -658,16 +898,14 @@ def observations(results: dict) -> list[str]:
     elif dist_excess:
         obs.append(f"Above the estimate: {min(dist_excess):+,.0f} to {max(dist_excess):+,.0f} MiB per rank "
                    "(transient full-size gradients of the tied embedding/head and of the unit being reduced).")
-    builds = [r["build_minus_baseline_mib"]["max"] for r in fixed.values() if r["dp"] > 1]
+    builds = {k: r["build_minus_baseline_mib"]["max"] for k, r in fixed.items() if r["dp"] > 1}
     if builds:
-        z3 = [(r["dp"], r["build_minus_baseline_mib"]["max"], train[k]) for k, r in fixed.items()
-              if r["zero_stage"] == 3]
-        share = (f" At dp{max(z3)[0]} ZeRO-3 that is {100 * max(z3)[1] / max(z3)[2]:.0f}% of the training "
-                 "peak; beyond dp 4 (16/dp < 4 B/param) building the model would set every rank's peak."
-                 if z3 else "")
-        obs.append(f"Build phase: {min(builds):,.0f}-{max(builds):,.0f} MiB above baseline in every layout, "
-                   f"whatever dp and stage: the trainer builds and initialises the full fp32 model on every rank "
-                   f"({full_mib:,.0f} MiB) before sharding it." + share)
+        name = lambda k: f"dp{k[0]} " + (f"ZeRO-{k[1]}" if k[1] else "ZeRO off")  # noqa: E731
+        share = max(((builds[k] / train[k], k) for k in builds if train.get(k, 0) > 0), default=None)
+        obs.append("Build phase above baseline: " + ", ".join(f"{name(k)} {v:,.0f}" for k, v in builds.items())
+                   + f" MiB, with {_build_how(mem)}; every parameter in fp32 is {full_mib:,.0f} MiB."
+                   + (f" The largest share of the training phase is {100 * share[0]:.0f}% ({name(share[1])})."
+                      if share else ""))
     ck = [r["checkpoint_minus_baseline_mib"]["max"] - train[k] for k, r in fixed.items()]
     if ck:
         obs.append(f"The final checkpoint save stays {-max(ck):,.0f} MiB or more below the training peak in "
@@ -682,11 +920,98 @@ def observations(results: dict) -> list[str]:
     return obs
 
 
+def init_observations(init: dict | None) -> list[str]:
+    """The meta-device build against the full model first, from this run's numbers."""
+    if not init:
+        return []
+    obs = []
+    c = init["parameters"]
+    full_mib, largest_mib = 4.0 * c["total"] / MiB, c["largest_module_bytes"] / MiB
+    failed = [r.get("layout") or r["key"] for r in init["rows"] if r.get("returncode") != 0]
+    if failed:
+        obs.append(f"Build comparison, failed runs: {', '.join(failed)} (the JSON file holds the log tail).")
+    pairs = [(m, f) for m, f in init_pairs(init) if _ok(m) and _ok(f)]
+    if not pairs:
+        return obs
+    b = lambda r, ph="build": r[f"{ph}_minus_baseline_mib"]["max"]  # noqa: E731
+    obs.append("Build phase above baseline (largest rank), meta_init=True vs False: "
+               + "; ".join(f"{m['layout']} {b(m):,.0f} vs {b(f):,.0f}" for m, f in pairs) + " MiB.")
+    noise = 4.0  # MiB: repeated runs of one layout differ by about 1-2 MiB here
+    saving = lambda m, f: b(f) - b(m)  # noqa: E731
+    predicted = lambda m, f: f["theory_build_mib"]["max"] - m["theory_build_mib"]["max"]  # noqa: E731
+    as_predicted = [(m, f) for m, f in pairs if predicted(m, f) > noise and saving(m, f) >= 0.5 * predicted(m, f)]
+    short = [(m, f) for m, f in pairs if predicted(m, f) > noise and saving(m, f) < 0.5 * predicted(m, f)]
+    controls = [(m, f) for m, f in pairs if predicted(m, f) <= noise]
+    if as_predicted:
+        obs.append("The meta-device build lowers the build phase where a rank holds part of the parameters: "
+                   + "; ".join(f"{m['layout']} by {saving(m, f):,.0f} MiB (theory {predicted(m, f):,.0f}; "
+                               f"{100 * saving(m, f) / b(f):.0f}% of the full build)" for m, f in as_predicted)
+                   + ".")
+    if short:
+        obs.append("The meta-device build saves less than half of what the theory says in "
+                   + "; ".join(f"{m['layout']} ({saving(m, f):+,.0f} MiB, theory {predicted(m, f):,.0f})"
+                               for m, f in short)
+                   + ": something there allocates more than the rank's shards during the build.")
+    if controls:
+        obs.append(f"Where a rank holds every parameter ({', '.join(m['layout'] for m, f in controls)}) the theory "
+                   "predicts no saving; full - meta measures "
+                   + ", ".join(f"{signed(saving(m, f))}" for m, f in controls) + " MiB"
+                   + (f": within {noise:,.0f} MiB, the same." if all(abs(saving(m, f)) <= noise for m, f in controls)
+                      else "."))
+    for meta_init, label, what in ((True, "meta_init=True", "4 B x held + largest module"),
+                                   (False, "meta_init=False", "4 B x P + largest module")):
+        rows = [m if meta_init else f for m, f in pairs]
+        ex = [(r["build_minus_theory_mib"]["max"], r["build_minus_theory_mib"]["min"], r) for r in rows]
+        lo, hi = min(e[1] for e in ex), max(e[0] for e in ex)
+        span = signed(hi) if round(lo) == round(hi) else f"{signed(lo)} to {signed(hi)}"
+        text = f"{label}: the build phase is {span} MiB from the theory ({what}) on every rank"
+        over = [(e[0], e[2]) for e in ex if e[0] > largest_mib]
+        if over:
+            details = []
+            for extra, r in over:
+                ratio = r["build_minus_baseline_mib"]["max"] / full_mib
+                why = ""
+                if not meta_init and r["pp"] > 1:
+                    why = (": the trainer cuts each stage from a deep copy of the full model "
+                           "(`build_stage_module`) while the full model is still alive, so for a moment a rank "
+                           "holds two full copies")
+                elif not meta_init and r["tp"] > 1:
+                    why = (f": the TP shards are cut while the full tensors are still alive (up to 4 B x P x "
+                           f"(1 + 1/tp) = {full_mib * (1 + 1 / r['tp']):,.0f} MiB)")
+                details.append(f"{r['layout']} {signed(extra)} MiB ({ratio:.2f} x 4 B x P){why}")
+            text += f"; more than one largest module ({largest_mib:,.0f} MiB) above it in " + "; ".join(details)
+        if meta_init:
+            # distribute_tensor cuts the rank's piece of each full tensor as a new tensor before copying it in.
+            cut = [(e[0], largest_mib / e[2]["shard_divisor"], e[2]) for e in ex
+                   if e[2]["shard_divisor"] > 1 and e[0] > noise]
+            if cut and all(abs(x - want) <= noise / 2 for x, want, _ in cut):
+                text += ("; the excess in " + ", ".join(f"{r['layout']} ({signed(x)})" for x, _, r in cut)
+                         + " matches one shard of the largest module ("
+                         + ", ".join(f"{want:,.0f}" for _, want, _ in cut) + " MiB), the piece `distribute_tensor` "
+                         "cuts from the full value before it is copied into the parameter")
+        obs.append(text + ".")
+    sets = {flag: [] for flag in (True, False)}
+    for m, f in pairs:
+        for r in (m, f):
+            if b(r) >= max(b(r, "train"), b(r, "checkpoint")) - 1.0:
+                sets[r["meta_init"]].append(r["layout"])
+    obs.append("Whole-run peak above baseline, meta_init=True vs False: "
+               + "; ".join(f"{m['layout']} {b(m, 'peak'):,.0f} vs {b(f, 'peak'):,.0f}" for m, f in pairs)
+               + " MiB. The build phase sets the run's peak "
+               + (f"with meta_init=False in {', '.join(sets[False])}" if sets[False] else
+                  "in no layout with meta_init=False")
+               + (f", with meta_init=True in {', '.join(sets[True])}." if sets[True] else
+                  ", and in none with meta_init=True."))
+    return obs
+
+
 # ----------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help="smoke run: 4 layouts, 6 steps, a smaller memory model, dp 2 only")
-    ap.add_argument("--only", choices=["throughput", "memory"], help="run one part only")
+    ap.add_argument("--quick", action="store_true",
+                    help="smoke run: 4 layouts, 6 steps, a smaller memory model, dp 2 only; init: dp2 ZeRO-3 and tp2")
+    ap.add_argument("--only", choices=["throughput", "memory", "init"],
+                    help="run one part only (init: build memory with train.meta_init=True vs False)")
     ap.add_argument("--layouts", help=f"comma-separated throughput layouts (default: all): "
                                       f"{', '.join(l.key for l in LAYOUTS)}")
     ap.add_argument("--steps", type=int, default=None, help="training steps per throughput run (default 25; quick 6)")
@@ -701,6 +1026,8 @@ def main(argv=None) -> int:
     if args.from_json:
         path = Path(args.from_json)
         results = json.loads(path.read_text())
+        if "init" in results:
+            rederive_init(results["init"])
         results["observations"] = observations(results)
         text = report(results)
         path.write_text(json.dumps(results, indent=1) + "\n")
@@ -748,14 +1075,19 @@ def main(argv=None) -> int:
                 "micro_batch_size": THROUGHPUT_MICRO_BATCH, "steps": steps, "warmup": warmup, "dtype": "fp32",
             }
             results["throughput"] = throughput_runs(layouts, steps, warmup, args.threads, work, cache, args.timeout, progress)
-        if args.only in (None, "memory"):
+        if args.only in (None, "memory", "init"):
             prepare_data_cache()
+        if args.only in (None, "memory"):
             if args.quick:
                 jobs = memory_jobs([2], [0, 3], [], reference=False)
             else:
                 jobs = memory_jobs([2, 4], [0, 1, 2, 3], [(2, 0), (2, 3)], reference=True)
             results["memory"] = memory_runs(jobs, QUICK_MEMORY_MODEL if args.quick else MEMORY_MODEL, work, cache,
                                             args.timeout, progress)
+        if args.only in (None, "init"):
+            init_layouts = [l for l in INIT_LAYOUTS if not args.quick or l.key in QUICK_INIT_LAYOUTS]
+            results["init"] = init_runs(init_layouts, QUICK_MEMORY_MODEL if args.quick else MEMORY_MODEL, work,
+                                        cache, args.timeout, progress)
     finally:
         if tmp is not None:
             tmp.cleanup()
@@ -779,6 +1111,7 @@ def main(argv=None) -> int:
         print(f"wrote {stem}.json and {stem}.md")
     failed = [r for r in results.get("throughput", []) if r.get("returncode") != 0]
     failed += [r for r in results.get("memory", {}).get("rows", []) if r.get("returncode") != 0]
+    failed += [r for r in results.get("init", {}).get("rows", []) if r.get("returncode") != 0]
     return 1 if failed else 0
 
 
