@@ -126,11 +126,15 @@ def _read_text(path: Path) -> str:
         raise DataError(f"Cannot read data file {path}: {e.strerror}. Check that it exists and is readable.") from None
 
 
-def _read_jsonl(path: Path, json_key: str) -> Iterator[str]:
+def read_jsonl_fields(path: Path, fields: dict[str, tuple[str, str]], what: str = "data") -> Iterator[list[str]]:
+    """The string fields of each record of a .jsonl file, in the order of ``fields``: ``{json key: (the
+    setting that names it, what it holds)}``, e.g. ``{"text": ("json_key (--json-key)", "text")}``. Every
+    problem is a DataError naming the file, the line and the fix. ``what`` names the file in messages."""
+    example = "{" + ", ".join(f'"{k}": "..."' for k in fields) + "}"
     try:
         f = open(path, encoding="utf-8")
     except OSError as e:
-        raise DataError(f"Cannot read data file {path}: {e.strerror}. Check that it exists and is readable.") from None
+        raise DataError(f"Cannot read {what} file {path}: {e.strerror}. Check that it exists and is readable.") from None
     with f:
         lineno = 0
         try:
@@ -141,28 +145,38 @@ def _read_jsonl(path: Path, json_key: str) -> Iterator[str]:
                     record = json.loads(line)
                 except json.JSONDecodeError as e:
                     raise DataError(
-                        f"Line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}). "
-                        f'Each line of a .jsonl file must be one JSON object such as {{"{json_key}": "..."}}; '
-                        "fix or remove that line."
+                        f"Line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}). Each line of a "
+                        f".jsonl file must be one JSON object such as {example}; fix or remove that line."
                     ) from None
-                if not isinstance(record, dict) or json_key not in record:
-                    found = sorted(record)[:10] if isinstance(record, dict) else type(record).__name__
+                if not isinstance(record, dict):
                     raise DataError(
-                        f"Line {lineno} of {path} has no field {json_key!r} (found: {found}). "
-                        f"Set json_key (--json-key) to the field that holds the text, or fix the line."
+                        f"Line {lineno} of {path} is a JSON {type(record).__name__}, not an object. Each line "
+                        f"must be one JSON object such as {example}."
                     )
-                text = record[json_key]
-                if not isinstance(text, str):
-                    raise DataError(
-                        f"Line {lineno} of {path}: field {json_key!r} is a {type(text).__name__}, not a string. "
-                        "The text field must hold the document text."
-                    )
-                yield text
+                values = []
+                for key, (setting, role) in fields.items():
+                    if key not in record:
+                        raise DataError(
+                            f"Line {lineno} of {path} has no field {key!r} (found: {sorted(record)[:10]}). Set "
+                            f"{setting} to the field that holds the {role}, or fix the line."
+                        )
+                    if not isinstance(record[key], str):
+                        raise DataError(
+                            f"Line {lineno} of {path}: field {key!r} is a {type(record[key]).__name__}, not a "
+                            f"string. The {role} must be text."
+                        )
+                    values.append(record[key])
+                yield values
         except UnicodeDecodeError as e:
             raise DataError(
-                f"Data file {path} is not valid UTF-8 (after line {lineno}: {e.reason}). "
+                f"{what[0].upper() + what[1:]} file {path} is not valid UTF-8 (after line {lineno}: {e.reason}). "
                 "Re-encode it as UTF-8, e.g. with `iconv -t utf-8`."
             ) from None
+
+
+def _read_jsonl(path: Path, json_key: str) -> Iterator[str]:
+    for (text,) in read_jsonl_fields(path, {json_key: ("json_key (--json-key)", "document text")}):
+        yield text
 
 
 def input_fingerprint(path: Input, json_key: str = "text") -> str:

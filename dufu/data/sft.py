@@ -33,7 +33,6 @@ topic: <name>`` and a newline, and the response the opening paragraphs of the to
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Iterator, Sequence, Union
@@ -42,7 +41,7 @@ import numpy as np
 
 from dufu.errors import DataError
 
-from .corpus import BUILTIN, resolve_sources
+from .corpus import BUILTIN, read_jsonl_fields, resolve_sources
 from .sampler import Sample
 from .tokenizer import Tokenizer
 
@@ -106,48 +105,10 @@ def read_sft_records(data_path: SFTInput = BUILTIN, prompt_key: str = "prompt",
 
 
 def _read_jsonl_pairs(path: Path, prompt_key: str, response_key: str) -> Iterator[tuple[str, str]]:
-    example = f'{{"{prompt_key}": "...", "{response_key}": "..."}}'
-    try:
-        f = open(path, encoding="utf-8")
-    except OSError as e:
-        raise DataError(f"Cannot read SFT data file {path}: {e.strerror}. Check that it exists and is readable.") from None
-    with f:
-        lineno = 0
-        try:
-            for lineno, line in enumerate(f, start=1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError as e:
-                    raise DataError(
-                        f"Line {lineno} of {path} is not valid JSON ({e.msg} at column {e.colno}). Each line must "
-                        f"be one JSON object such as {example}; fix or remove that line."
-                    ) from None
-                if not isinstance(record, dict):
-                    raise DataError(
-                        f"Line {lineno} of {path} is a JSON {type(record).__name__}, not an object. Each line "
-                        f"must be one JSON object such as {example}."
-                    )
-                values = []
-                for key, what in ((prompt_key, "prompt_key"), (response_key, "response_key")):
-                    if key not in record:
-                        raise DataError(
-                            f"Line {lineno} of {path} has no field {key!r} (found: {sorted(record)[:10]}). Set "
-                            f"dataloader.train.{what} to the field that holds the {what[:-4]}, or fix the line."
-                        )
-                    if not isinstance(record[key], str):
-                        raise DataError(
-                            f"Line {lineno} of {path}: field {key!r} is a {type(record[key]).__name__}, not a "
-                            f"string. The {what[:-4]} must be text."
-                        )
-                    values.append(record[key])
-                yield values[0], values[1]
-        except UnicodeDecodeError as e:
-            raise DataError(
-                f"SFT data file {path} is not valid UTF-8 (after line {lineno}: {e.reason}). "
-                "Re-encode it as UTF-8, e.g. with `iconv -t utf-8`."
-            ) from None
+    fields = {prompt_key: ("dataloader.train.prompt_key", "prompt"),
+              response_key: ("dataloader.train.response_key", "response")}
+    for prompt, response in read_jsonl_fields(path, fields, what="SFT data"):
+        yield prompt, response
 
 
 # ------------------------------------------------------------------------------------------------ samples
