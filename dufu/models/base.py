@@ -31,6 +31,22 @@ class InitByModule:
         is initialised through its twin, never by its own rule."""
         return qualified_name in getattr(self, "tied_parameter_names", {})
 
+    def init_normal(self, name: str, module: nn.Module, std: float) -> None:
+        """The common rule (GPT-2, BERT, LLaMA): matrices and embeddings N(0, std) (a tied head excepted),
+        biases 0, norm weights 1."""
+        if isinstance(module, nn.Linear):
+            if not self.is_tied_alias(f"{name}.weight"):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            if module.weight is not None:
+                nn.init.ones_(module.weight)
+            if getattr(module, "bias", None) is not None:
+                nn.init.zeros_(module.bias)
+
     @torch.no_grad()
     def init_weights(self) -> None:
         self.tie_weights()

@@ -219,20 +219,9 @@ class _BertEncoder(InitByModule, nn.Module):
     def init_module(self, name: str, module: nn.Module) -> None:
         """BERT's initialisation: N(0, initializer_range) for matrices and tables (the padding row zero),
         zero biases, unit LayerNorms."""
-        std = self.initializer_range
-        if isinstance(module, nn.Linear):
-            if not self.is_tied_alias(f"{name}.weight"):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-            if name == "wte" and self.pad_token_id is not None and 0 <= self.pad_token_id < self.vocab_size:
-                module.weight[self.pad_token_id].zero_()
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
+        self.init_normal(name, module, self.initializer_range)
+        if name == "wte" and self.pad_token_id is not None and 0 <= self.pad_token_id < self.vocab_size:
+            module.weight[self.pad_token_id].zero_()
 
     # --------------------------------------------------------------- forward
     def position_offset(self) -> int:

@@ -110,18 +110,9 @@ class GPTModel(InitByModule, nn.Module):
     def init_module(self, name: str, module: nn.Module) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * num_layers)."""
         std = self.initializer_range
-        if isinstance(module, nn.Linear):
-            s = std / math.sqrt(2 * self.num_layers) if name.endswith(("out_proj", "fc2")) else std
-            if not self.is_tied_alias(f"{name}.weight"):
-                nn.init.normal_(module.weight, mean=0.0, std=s)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
+        if name.endswith(("out_proj", "fc2")):
+            std = std / math.sqrt(2 * self.num_layers)
+        self.init_normal(name, module, std)
 
     # --------------------------------------------------------------- forward
     def forward(

@@ -167,17 +167,8 @@ class LlamaModel(InitByModule, nn.Module):
     def init_module(self, name: str, module: nn.Module) -> None:
         """Every matrix and embedding N(0, initializer_range), biases 0, norm weights 1 (as Llama's
         reference initialisation); the rotary tables are recomputed (a meta build leaves them empty)."""
-        std = self.initializer_range
-        if isinstance(module, nn.Linear):
-            if not self.is_tied_alias(f"{name}.weight"):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
-        elif isinstance(module, nn.RMSNorm):
-            nn.init.ones_(module.weight)
-        elif isinstance(module, RotaryEmbedding):
+        self.init_normal(name, module, self.initializer_range)
+        if isinstance(module, RotaryEmbedding):
             module.reset_parameters()
 
     # --------------------------------------------------------------- forward
