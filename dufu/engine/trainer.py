@@ -53,6 +53,15 @@ def to_model_inputs(batch) -> dict:
     return dict(batch)
 
 
+def count_loss_targets(inputs: dict) -> torch.Tensor:
+    """How many targets a batch's loss averages over: labels that are not -100 (``shift_labels`` of causal
+    LM data, ``labels`` of masked-LM / seq2seq / classification data), else one per sample."""
+    target = inputs.get("shift_labels", inputs.get("labels"))
+    if target is None:
+        return torch.tensor(next(iter(inputs.values())).shape[0])
+    return (target != -100).sum()
+
+
 def local_scalar(t: torch.Tensor) -> torch.Tensor:
     """A detached fp32 plain tensor (losses are replicated DTensors under loss_parallel)."""
     t = t.detach()
@@ -203,7 +212,7 @@ class Trainer:
         coord = self.mesh.get_coordinate() if self.mesh is not None else [0, 0, 0]
         self.pp_rank, self.dp_rank, self.tp_rank = coord
         self.flops_per_token = flops_per_token(
-            count_matmul_params(model), getattr(model, "num_layers", 0), getattr(model, "hidden_size", 0),
+            count_matmul_params(model), getattr(model, "attention_layers", getattr(model, "num_layers", 0)), getattr(model, "hidden_size", 0),
             self.seq_length,
         )
         self.model_name = type(model).__name__
@@ -231,6 +240,7 @@ class Trainer:
         self.scaler = self._build_grad_scaler()
         self.step = 0
         self.skipped_steps = 0  # updates dropped for a non-finite gradient under nan_policy="skip"
+        self._activity = "before the first step"  # where the loop is, for DistributedFailure messages
         self.tokens_per_step = self.global_batch_size * self.seq_length
         self.peak_flops, self.peak_source = device_peak_flops(
             self.device, self.amp_dtype or torch.float32, t.get("peak_tflops")
@@ -256,7 +266,11 @@ class Trainer:
         else:
             v = t.dist.get("virtual_pipeline_size", 1) or 1
             num_stages = pp * v
-            parts = {s: build_stage_module(model, s, num_stages, stage_ids) for s in range(self.pp_rank, num_stages, pp)}
+            mine = range(self.pp_rank, num_stages, pp)
+            # A full model built on this rank (not on meta) is cut in place when the rank holds one stage:
+            # a copy per stage would hold the whole model twice until start-up ends.
+            in_place = not self.meta_init and len(mine) == 1
+            parts = {s: build_stage_module(model, s, num_stages, stage_ids, in_place=in_place) for s in mine}
         stage_mesh = self.mesh["data", "tensor"] if self.mesh is not None else None
         zero = t.zero_optimization
         for part in parts.values():
@@ -314,16 +328,36 @@ class Trainer:
         return DynamicLossScaler() if self.amp_dtype == torch.float16 else None
 
     def _pipeline_loss(self, output, target):
-        loss = self._stage_loss_fn(output, target)
+        # The schedule divides each micro-batch's loss by their number; this weight makes the sum the mean
+        # over the global batch's targets (see _target_weights).
+        weight = self._target_weight({"labels": target}) * self.num_accumulation_steps
+        loss = self._stage_loss_fn(output, target) * weight
         # The schedule runs backward itself, so fp16 loss scaling happens here (undone for logging).
         return loss * self.scaler.scale if self.scaler is not None else loss
 
+    def _count_global_targets(self, batches: list[dict]) -> None:
+        """The number of targets in the global batch whose local part is ``batches``, for _target_weight:
+        summed over data-parallel ranks (tensor and pipeline peers hold the same samples)."""
+        n = sum(count_loss_targets(b).to(self.device, torch.float64) for b in batches)
+        if self.dims.data_parallel_size > 1:
+            dist.all_reduce(n, group=self.mesh.get_group("data"))
+        self._global_targets = max(float(n.item()), 1.0)
+
+    def _target_weight(self, inputs: dict) -> float:
+        """The weight of a micro-batch's mean loss so that the losses summed over the step's micro-batches and
+        averaged over data-parallel ranks (as gradients are) give the mean over all the global batch's targets,
+        not the mean of micro-batch means: gradient accumulation and data parallelism then equal one big batch
+        when micro-batches hold different numbers of targets (masked LM, SFT with prompt masking)."""
+        return float(count_loss_targets(inputs)) * self.dims.data_parallel_size / self._global_targets
+
     # ------------------------------------------------------------ one step
-    def autocast(self):
+    def autocast(self, amp: bool = True, loss: bool = True):
+        """Mixed precision (``amp``) and, under tensor parallelism, the vocabulary-parallel ``loss``, which must
+        also hold for the loss's backward (while autocast should not). Not to be nested in itself."""
         ctx = contextlib.ExitStack()
-        if self.amp_dtype is not None:
+        if self.amp_dtype is not None and amp:
             ctx.enter_context(torch.autocast(self.device.type, dtype=self.amp_dtype))
-        if self.dims.tp_enabled:
+        if self.dims.tp_enabled and loss:
             # Cross entropy on vocabulary-sharded logits: no rank gathers the full (B, T, V) tensor.
             from torch.distributed.tensor.parallel import loss_parallel
 
@@ -349,6 +383,7 @@ class Trainer:
         n = len(micro_batches)
         if self.schedule is not None:
             inputs = self._batch(self.train_ds, [i for mb in micro_batches for i in mb])
+            self._count_global_targets([inputs])
             args, kwargs, target = self._pipeline_io(inputs)
             losses = []
             with self.autocast():
@@ -357,13 +392,16 @@ class Trainer:
                 return torch.zeros((), device=self.device)
             scale = self.scaler.scale if self.scaler is not None else 1.0
             return torch.stack([local_scalar(l) for l in losses]).mean() / scale
+        batches = [self._batch(self.train_ds, indices) for indices in micro_batches]
+        self._count_global_targets(batches)
         total = torch.zeros((), device=self.device)
-        for i, indices in enumerate(micro_batches):
+        for i, inputs in enumerate(batches):
             self._set_gradient_sync(i == n - 1)  # reduce gradients once, after the last micro-batch
-            inputs = self._batch(self.train_ds, indices)
-            with self.autocast():
-                loss = self.model(**inputs).loss / n  # micro-batches are equal-sized: mean of means
-                (loss * self.scaler.scale if self.scaler else loss).backward()
+            weight = self._target_weight(inputs)
+            with self.autocast(amp=False):
+                with self.autocast(loss=False):
+                    loss = self.model(**inputs).loss * weight
+                (loss * self.scaler.scale if self.scaler else loss).backward()  # outside autocast (torch's advice)
             total += local_scalar(loss)
         return total
 
@@ -450,23 +488,27 @@ class Trainer:
             start = b * G + self.dp_rank * per_rank
             indices = list(range(start, start + per_rank))
             inputs = self._batch(self.valid_ds, indices)
+            self._count_global_targets([inputs])  # each batch's loss: the mean over its targets, as in training
+            labels = inputs.get("labels")
+            # one class label per sample: accuracy too (decided from the batch, so alike on every rank)
+            classification = labels is not None and labels.dim() == 1 and not labels.is_floating_point()
             with self.autocast():
                 if self.schedule is not None:
                     losses = []
                     args, kwargs, target = self._pipeline_io(inputs)
-                    self.schedule.eval(*args, target=target, losses=losses, **kwargs)
+                    logits = self.schedule.eval(*args, target=target, losses=losses, **kwargs)
                     if self.stage_flags["last"]:
-                        total += torch.stack([local_scalar(l) for l in losses]).mean()
+                        scale = self.scaler.scale if self.scaler is not None else 1.0
+                        total += torch.stack([local_scalar(l) for l in losses]).mean() / scale
+                        if classification:
+                            correct += self._correct(logits, target) / G
                 else:
                     for k in range(0, per_rank, self.micro_batch_size):
                         mb = {key: v[k:k + self.micro_batch_size] for key, v in inputs.items()}
                         out = self.model(**mb)
-                        total += local_scalar(out.loss) * mb[self.main_input_name].shape[0] / per_rank
-                        labels = mb.get("labels")
-                        if labels is not None and labels.dim() == 1 and out.logits is not None and out.logits.dim() == 2:
-                            classification = True
-                            logits = out.logits.full_tensor() if isinstance(out.logits, DTensor) else out.logits
-                            correct += (logits.argmax(-1) == labels).sum().float() / G
+                        total += local_scalar(out.loss) * self._target_weight(mb)
+                        if classification:
+                            correct += self._correct(out.logits, mb["labels"]) / G
         for part in self.model_parts:
             part.train()
         mean = self.reduce_loss(total) / n_batches
@@ -474,6 +516,12 @@ class Trainer:
         if classification:
             result["eval_accuracy"] = self.reduce_loss(correct * self.dims.data_parallel_size) / n_batches
         return result
+
+    @staticmethod
+    def _correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """How many samples' arg-max class is their label."""
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        return (logits.argmax(-1) == labels).sum().float()
 
     # ------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:
@@ -549,7 +597,7 @@ class Trainer:
             first = next((ln for ln in str(e).splitlines() if ln.strip()), type(e).__name__)
             timeout = self.cfg.train.dist.get("timeout_minutes", 10.0)
             raise DistributedFailure(
-                f"rank {self.rank} stopped at step {self.step + 1}: a collective operation with the other ranks "
+                f"rank {self.rank} stopped {self._activity}: a collective operation with the other ranks "
                 f"failed or waited longer than train.dist.timeout_minutes={timeout}. {self._unresponsive_ranks()}"
                 f"Cause: {first[:300]}"
             ) from e
@@ -599,6 +647,7 @@ class Trainer:
         window_steps, mfus = 0, []
         stop_reason = None
         while self.step < t.train_iter:
+            self._activity = f"at step {self.step + 1}"
             faults.at_step_start(self.step + 1)
             loss, grad_norm = self.train_step(self.sampler.next_step())
             self.step += 1
@@ -631,6 +680,7 @@ class Trainer:
                            mfu=f"{100 * mfu:.1f}%")
             bar.update(1)
             if eval_enabled and (self.step % t.evaluation.eval_period == 0 or self.step == t.train_iter):
+                self._activity = f"while evaluating after step {self.step}"
                 ev = self.evaluate()
                 writer and writer.write({"step": self.step, **ev})
                 acc = f", accuracy {100 * ev['eval_accuracy']:.1f}%" if "eval_accuracy" in ev else ""
@@ -638,6 +688,7 @@ class Trainer:
             stop_reason = self._stop_reason(t_start)
             period = t.checkpointer.period
             if (period and self.step % period == 0) or self.step == t.train_iter or stop_reason:
+                self._activity = f"while saving the checkpoint of step {self.step}"
                 path = self.save_checkpoint()
                 bar.write(f"step {self.step}: {'saving' if self.checkpointer.async_save else 'saved'} checkpoint {path}")
             if stop_reason:

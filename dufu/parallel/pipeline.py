@@ -105,8 +105,9 @@ def _drop(module: nn.Module, name: str) -> None:
     setattr(module.get_submodule(parent) if parent else module, attr, None)
 
 
-def build_stage_module(model: nn.Module, stage: int, num_stages: int, stage_ids: list[int]) -> nn.Module:
-    """A copy of ``model`` that keeps only what pipeline stage ``stage`` owns.
+def build_stage_module(model: nn.Module, stage: int, num_stages: int, stage_ids: list[int],
+                       in_place: bool = False) -> nn.Module:
+    """A copy of ``model`` (``model`` itself if ``in_place``) that keeps only what pipeline stage ``stage`` owns.
 
     The model declares how it splits in ``pipeline_layout``:
 
@@ -131,7 +132,7 @@ def build_stage_module(model: nn.Module, stage: int, num_stages: int, stage_ids:
         raise LayoutError(
             f"{len(stage_ids)} stage ids for the {len(order)} blocks of {type(model).__name__}; give one per block."
         )
-    module = copy.deepcopy(model) if num_stages > 1 else model
+    module = copy.deepcopy(model) if num_stages > 1 and not in_place else model
     owner = {block: s for block, s in zip(order, stage_ids)}
     for container, key in order:
         if owner[(container, key)] != stage:

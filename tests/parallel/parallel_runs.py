@@ -63,3 +63,16 @@ def final_model_state(output_dir: Path) -> dict[str, torch.Tensor]:
 
 def assert_ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, f"exit {proc.returncode}\nSTDOUT:\n{proc.stdout[-3000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+
+
+def assert_matches_reference(out: Path, reference: tuple[list[float], dict], what: str, steps: int = 5) -> None:
+    """The promise: a run logs the reference's losses (within 1e-5 relative) and ends with its weights."""
+    ref_losses, ref_state = reference
+    got = losses(out)
+    assert len(got) == len(ref_losses) == steps, f"{what}: {len(got)} logged steps, reference {len(ref_losses)}"
+    for step, (a, b) in enumerate(zip(got, ref_losses), start=1):
+        assert a == pytest.approx(b, rel=1e-5), f"{what}: step {step} loss {a} != single-process {b}"
+    state = final_model_state(out)
+    assert set(state) == set(ref_state)
+    for name, ref in ref_state.items():
+        torch.testing.assert_close(state[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what}: {name}: {m}")

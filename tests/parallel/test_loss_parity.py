@@ -7,9 +7,8 @@ gpt_debug, fp32, fixed global batch 8, 5 steps: the logged losses equal the sing
 from __future__ import annotations
 
 import pytest
-import torch
 
-from parallel_runs import PARITY_ARGS, assert_ok, final_model_state, losses, run_dufu
+from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, run_dufu
 
 DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 ZERO = "train.zero_optimization.enabled=True"
@@ -39,14 +38,7 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, parity_reference, tmp_path):
     nproc, layers, overrides = LAYOUTS[layout]
-    ref_losses, ref_state = parity_reference(layers)
+    reference = parity_reference(layers)
     out = tmp_path / layout
     assert_ok(run_dufu(out, nproc, *PARITY_ARGS, f"model.num_layers={layers}", *overrides))
-    got = losses(out)
-    assert len(got) == len(ref_losses) == 5
-    for step, (a, b) in enumerate(zip(got, ref_losses), start=1):
-        assert a == pytest.approx(b, rel=1e-5), f"{layout}: step {step} loss {a} != single-process {b}"
-    state = final_model_state(out)
-    assert set(state) == set(ref_state)
-    for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{layout}: {name}: {m}")
+    assert_matches_reference(out, reference, layout)

@@ -17,7 +17,7 @@ from dufu.errors import LayoutError
 from dufu.models.bert import BertForSequenceClassification
 from dufu.models.t5 import T5ForConditionalGeneration
 from dufu.parallel.pipeline import build_stage_module, split_pipeline_batch
-from parallel_runs import PARITY_ARGS, assert_ok, final_model_state, losses, run_dufu
+from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, run_dufu
 
 
 def tiny_bert():
@@ -90,31 +90,10 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cache = {}
-
-    def get(recipe: str):
-        if recipe not in cache:
-            out = tmp_path_factory.mktemp(f"reference_{recipe}")
-            assert_ok(run_dufu(out, 1, *PARITY_ARGS, config=recipe))
-            cache[recipe] = (losses(out), final_model_state(out))
-        return cache[recipe]
-
-    return get
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_padded_batches_train_under_pipeline_parallelism_as_on_one_process(layout, reference, tmp_path):
+def test_padded_batches_train_under_pipeline_parallelism_as_on_one_process(layout, recipe_reference, tmp_path):
     recipe, nproc, overrides = LAYOUTS[layout]
-    ref_losses, ref_state = reference(recipe)
+    reference = recipe_reference(recipe)
     out = tmp_path / layout
     assert_ok(run_dufu(out, nproc, *PARITY_ARGS, *overrides, config=recipe))
-    got = losses(out)
-    assert len(got) == len(ref_losses) == 5
-    for step, (a, b) in enumerate(zip(got, ref_losses), start=1):
-        assert a == pytest.approx(b, rel=1e-5), f"{layout}: step {step} loss {a} != single-process {b}"
-    state = final_model_state(out)
-    assert set(state) == set(ref_state)
-    for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{layout}: {name}: {m}")
+    assert_matches_reference(out, reference, layout)

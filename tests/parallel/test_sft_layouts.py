@@ -6,10 +6,9 @@ and micro-batch 2, 5 steps, from the same pretrained llama_debug weights."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from dufu_testing import train
-from parallel_runs import PARITY_ARGS, assert_ok, final_model_state, losses, run_dufu
+from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, final_model_state, losses, run_dufu
 
 TP2 = "train.dist.tensor_parallel_size=2"
 LAYOUTS = {
@@ -35,11 +34,15 @@ def test_sft_layout_matches_single_process(layout, sft_reference, tmp_path):
     args, ref_losses, ref_state = sft_reference
     out = tmp_path / layout
     assert_ok(run_dufu(out, 2, *args, *LAYOUTS[layout], config="llama_sft"))
-    got = losses(out)
-    assert len(got) == len(ref_losses) == 5
-    for step, (a, b) in enumerate(zip(got, ref_losses), start=1):
-        assert a == pytest.approx(b, rel=1e-5), f"llama_sft {layout}: step {step} loss {a} != single-process {b}"
-    state = final_model_state(out)
-    assert set(state) == set(ref_state)
-    for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{layout}: {name}: {m}")
+    assert_matches_reference(out, (ref_losses, ref_state), f"llama_sft {layout}")
+
+
+@pytest.mark.parametrize("micro", [1, 8])
+def test_sft_loss_is_the_global_token_mean_whatever_the_micro_batch(micro, sft_reference, tmp_path):
+    """Samples hold different numbers of response tokens, so a mean of micro-batch means would depend on the
+    micro-batch size; the trainer weights each micro-batch by its targets, so accumulating 8 x 1 or 1 x 8 is
+    the same step as the reference's 4 x 2."""
+    args, ref_losses, ref_state = sft_reference
+    out = tmp_path / f"micro{micro}"
+    assert_ok(run_dufu(out, 1, *args, f"train.train_micro_batch_size={micro}", config="llama_sft"))
+    assert_matches_reference(out, (ref_losses, ref_state), f"llama_sft micro-batch {micro}")

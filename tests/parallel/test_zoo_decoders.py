@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dufu_testing import train
-from parallel_runs import PARITY_ARGS, assert_ok, final_model_state, losses, run_dufu
+from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, final_model_state, losses, run_dufu
 
 DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 
@@ -25,14 +25,7 @@ LLAMA_LAYOUTS = {
 
 
 def assert_same_run(out, ref_out, what: str) -> None:
-    got, ref = losses(out), losses(ref_out)
-    assert len(got) == len(ref) == 5
-    for step, (a, b) in enumerate(zip(got, ref), start=1):
-        assert a == pytest.approx(b, rel=1e-5), f"{what}: step {step} loss {a} != single-process {b}"
-    state, ref_state = final_model_state(out), final_model_state(ref_out)
-    assert set(state) == set(ref_state)
-    for name, value in ref_state.items():
-        torch.testing.assert_close(state[name], value, rtol=1e-4, atol=1e-6, msg=lambda m: f"{what}: {name}: {m}")
+    assert_matches_reference(out, (losses(ref_out), final_model_state(ref_out)), what)
 
 
 @pytest.fixture(scope="module")

@@ -14,9 +14,8 @@ weights after the last step match.
 from __future__ import annotations
 
 import pytest
-import torch
 
-from parallel_runs import PARITY_ARGS, assert_ok, final_model_state, losses, run_dufu
+from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, run_dufu
 
 # id: (recipe, processes, overrides)
 LAYOUTS = {
@@ -40,33 +39,11 @@ def recipe_args(name: str) -> tuple[str, list[str]]:
     return VARIANTS.get(name, (name, []))
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    cache = {}
-
-    def get(recipe: str):
-        if recipe not in cache:
-            out = tmp_path_factory.mktemp(f"reference_{recipe}")
-            config, model_overrides = recipe_args(recipe)
-            assert_ok(run_dufu(out, 1, *PARITY_ARGS, *model_overrides, config=config))
-            cache[recipe] = (losses(out), final_model_state(out))
-        return cache[recipe]
-
-    return get
-
-
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_zoo_layout_matches_single_process(layout, reference, tmp_path):
+def test_zoo_layout_matches_single_process(layout, recipe_reference, tmp_path):
     recipe, nproc, overrides = LAYOUTS[layout]
-    ref_losses, ref_state = reference(recipe)
-    out = tmp_path / layout
     config, model_overrides = recipe_args(recipe)
+    reference = recipe_reference(config, *model_overrides)
+    out = tmp_path / layout
     assert_ok(run_dufu(out, nproc, *PARITY_ARGS, *model_overrides, *overrides, config=config))
-    got = losses(out)
-    assert len(got) == len(ref_losses) == 5
-    for step, (a, b) in enumerate(zip(got, ref_losses), start=1):
-        assert a == pytest.approx(b, rel=1e-5), f"{layout}: step {step} loss {a} != single-process {b}"
-    state = final_model_state(out)
-    assert set(state) == set(ref_state)
-    for name, ref in ref_state.items():
-        torch.testing.assert_close(state[name], ref, rtol=1e-4, atol=1e-6, msg=lambda m: f"{layout}: {name}: {m}")
+    assert_matches_reference(out, reference, layout)

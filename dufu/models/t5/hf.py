@@ -17,6 +17,9 @@ from __future__ import annotations
 import re
 
 import torch
+from torch import nn
+
+from dufu.errors import DataError
 
 _PROJ = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "out_proj": "o"}
 _FF = {"fc1": "wi", "fc2": "wo", "gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
@@ -116,26 +119,29 @@ def hf_name(name: str) -> str:
     raise KeyError(f"no transformers name for T5 tensor {name!r}")
 
 
-def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    """transformers T5 tensors -> dufu tensors. A checkpoint whose ``lm_head.weight`` differs from the
-    embedding (T5 v1.1 saved by a transformers that always claims tying) unties the model's head."""
+def state_dict_from_hf(hf_sd, model) -> dict:
+    """transformers T5 tensors (a dict or a lazy mapping) -> readers (zero-argument callables) of ``model``'s
+    tensors, only those ``model`` holds. A checkpoint whose ``lm_head.weight`` differs from the embedding (T5
+    v1.1 saved by a transformers that always claims tying) unties the model's head."""
     out = {}
     for name in model.state_dict():
         theirs = hf_name(name)
         if theirs in hf_sd:
-            out[name] = hf_sd[theirs]
+            out[name] = lambda k=theirs: hf_sd[k]
     head = getattr(model, "lm_head", None)
     if head is None:
         return out
     if model.tie_word_embeddings:
         out.pop("lm_head.weight", None)  # served by the embedding
         if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["shared.weight"]):
-            # A head of its own: untie, and fill it here (the loader's name for it still is the embedding's).
-            model.untie_weights()
-            with torch.no_grad():
-                model.lm_head.weight.copy_(hf_sd["lm_head.weight"])
+            if getattr(model, "wte", None) is None or type(head.weight) is not nn.Parameter:
+                raise DataError(
+                    "this T5 checkpoint's lm_head.weight differs from its embedding although the model ties them; "
+                    "set model.tie_word_embeddings=False (a head of its own) to load it in a parallel layout.")
+            model.untie_weights()  # a head of its own: filled from the checkpoint's
+            out["lm_head.weight"] = lambda: hf_sd["lm_head.weight"]
     elif "lm_head.weight" not in hf_sd:
-        out["lm_head.weight"] = hf_sd["shared.weight"]
+        out["lm_head.weight"] = lambda: hf_sd["shared.weight"]
     return out
 
 
@@ -168,6 +174,7 @@ def _register() -> None:
         state_dict_to_hf=state_dict_to_hf,
         default_architecture="T5ForConditionalGeneration",
         dufu_classes=(T5ForConditionalGeneration, T5EncoderModel),
+        lazy=True,
     ))
 
 

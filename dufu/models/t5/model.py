@@ -260,6 +260,8 @@ class T5ForConditionalGeneration(_T5Base):
                           relative_attention_num_buckets, relative_attention_max_distance, dropout_rate,
                           layer_norm_epsilon, initializer_factor)
         self.num_decoder_layers = num_layers if num_decoder_layers is None else num_decoder_layers
+        # Attention layers for the MFU estimate (12 L H T FLOP/token): encoder self, decoder self and cross.
+        self.attention_layers = num_layers + 2 * self.num_decoder_layers
         self.tie_word_embeddings = tie_word_embeddings
         self.scale_decoder_outputs = tie_word_embeddings if scale_decoder_outputs is None else scale_decoder_outputs
         self.pad_token_id = pad_token_id
