@@ -10,7 +10,8 @@ numbers as a single-device run, so values are defined per *full* tensor and each
   values therefore depend neither on the layout nor on which modules a pipeline stage keeps, nor on the
   device (CPU generator). Peak extra memory: the largest single module's parameters.
 * **pretrained weights** (``model.pretrained`` or ``pretrained_model``): the family's Hugging Face adapter
-  (or a dufu checkpoint) is asked only for the names this part holds, and reads one tensor at a time.
+  (or a dufu checkpoint) is asked only for the names this part holds, and reads one tensor at a time; those
+  tensors are not initialised first.
 * each full tensor is cut to this rank's shard with ``distribute_tensor(..., src_data_rank=None)``: the
   DTensor's own placements (TP ``Shard``, FSDP ``Shard``/``_StridedShard``) decide the slice locally, with
   no communication, since every rank computes the same full value.
@@ -111,30 +112,31 @@ def materialize_(
     pretrained: Optional[Callable[[nn.Module], tuple[str, Mapping]]] = None,
 ) -> nn.Module:
     """Allocate ``part`` (a meta-built, possibly parallelized model or pipeline stage) on ``device`` and fill
-    it: initial values from ``reference.init_module`` (``reference``: the unsplit meta model), then, if
-    ``pretrained`` is given, the tensors it provides. ``pretrained(part)`` returns ``(what, source)``:
+    it: the tensors ``pretrained`` provides, if given, and initial values from ``reference.init_module``
+    (``reference``: the unsplit meta model) for the rest. ``pretrained(part)`` returns ``(what, source)``:
     ``source`` maps parameter names to tensors or zero-argument callables that read one (see
     :func:`dufu.models.hub.pretrained_source`); a value that already is a DTensor is the part's own
     (a new task head keeping its initialisation) and is left alone."""
     part.to_empty(device=device)
     if hasattr(part, "tie_weights"):
         part.tie_weights()
+    own = part.state_dict()
+    what, source = pretrained(part) if pretrained is not None else ("", {})
+    # A source value that is the part's own tensor (a new task head) keeps its initialisation.
+    loaded = {n: v for n, v in source.items()
+              if not (isinstance(v, DTensor) or (isinstance(v, torch.Tensor) and v.data_ptr() == own[n].data_ptr()))}
     init = ModuleInitializer(reference, seed)
     canonical = _canonical_names(reference)
-    tensors = [(n, t, True) for n, t in part.named_parameters()] + [(n, t, False) for n, t in part.named_buffers()]
+    tensors = [(n, t, True) for n, t in part.named_parameters() if n not in loaded]
+    tensors += [(n, t, False) for n, t in part.named_buffers()]
     # Group by the (canonical) owning module so each module's initialisation runs once.
     for name, tensor, is_param in sorted(tensors, key=lambda x: _split_name(canonical.get(x[0], x[0]))[0]):
         module_name, leaf = _split_name(canonical.get(name, name) if is_param else name)
         assign_full_(tensor, init.values(module_name)[leaf])
-    if pretrained is not None:
-        what, source = pretrained(part)
-        own = part.state_dict()
-        for name, value in source.items():
-            value = value() if callable(value) else value
-            if isinstance(value, DTensor):
-                continue
-            check_source_shape(what, part, name, value, own[name])
-            assign_full_(own[name], value)
-        if hasattr(part, "tie_weights"):
-            part.tie_weights()
+    for name, value in loaded.items():  # pretrained weights: read one at a time, only this part's names
+        value = value() if callable(value) else value
+        check_source_shape(what, part, name, value, own[name])
+        assign_full_(own[name], value)
+    if loaded and hasattr(part, "tie_weights"):
+        part.tie_weights()
     return part
