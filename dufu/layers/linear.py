@@ -15,7 +15,6 @@ applies the matching DTensor plan.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 PARALLEL_STYLES = ("col", "row", "data")

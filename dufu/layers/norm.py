@@ -8,7 +8,6 @@ declares ``sequence_parallel = True``.
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 

@@ -187,15 +187,29 @@ class HFWeights(Mapping):
             raise DataError(f"{self.path} holds no weights: expected model.safetensors, "
                             "model.safetensors.index.json or pytorch_model.bin.")
 
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if self._eager is not None:
-            return self._eager[key]
+    def _handle(self, key: str):
         file = self._files[key]
         if file not in self._handles:
             from safetensors import safe_open
 
             self._handles[file] = safe_open(str(file), framework="pt")
-        return self._handles[file].get_tensor(key)
+        return self._handles[file]
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        if self._eager is not None:
+            return self._eager[key]
+        return self._handle(key).get_tensor(key)
+
+    def read_slice(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
+        """Only ``tensor[index]`` of a stored tensor (safetensors reads just those bytes)."""
+        if self._eager is not None:
+            return self._eager[key][index]
+        return self._handle(key).get_slice(key)[index]
+
+    def shape_of(self, key: str) -> tuple[int, ...]:
+        if self._eager is not None:
+            return tuple(self._eager[key].shape)
+        return tuple(self._handle(key).get_slice(key).get_shape())
 
     def __contains__(self, key) -> bool:
         return key in (self._eager if self._eager is not None else self._files)
@@ -205,6 +219,27 @@ class HFWeights(Mapping):
 
     def __len__(self) -> int:
         return len(self._eager if self._eager is not None else self._files)
+
+
+class StoredTensor:
+    """A tensor stored as-is (renamed only) under ``key`` in ``weights`` (an :class:`HFWeights` or a dict):
+    called, it reads the whole tensor; ``read_slice(index)`` reads just a block of it, which lets a
+    tensor-parallel or ZeRO rank read only its own shard (:mod:`dufu.parallel.materialize`)."""
+
+    def __init__(self, weights, key: str):
+        self.weights, self.key = weights, key
+
+    def __call__(self) -> torch.Tensor:
+        return self.weights[self.key]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        w = self.weights
+        return w.shape_of(self.key) if isinstance(w, HFWeights) else tuple(w[self.key].shape)
+
+    def read_slice(self, index: tuple[slice, ...]) -> torch.Tensor:
+        w = self.weights
+        return w.read_slice(self.key, index) if isinstance(w, HFWeights) else w[self.key][index]
 
 
 def renamed_sources(hf, rules, wanted: Mapping[str, str]) -> dict[str, Callable[[], torch.Tensor]]:
@@ -220,7 +255,7 @@ def renamed_sources(hf, rules, wanted: Mapping[str, str]) -> dict[str, Callable[
         for pattern, repl in rules:
             name = re.sub(pattern, repl, name)
         stored[name] = key
-    return {ours: (lambda k=stored[theirs]: hf[k]) for ours, theirs in wanted.items() if theirs in stored}
+    return {ours: StoredTensor(hf, stored[theirs]) for ours, theirs in wanted.items() if theirs in stored}
 
 
 def _resolve_dufu_checkpoint(path: str | Path) -> Path:

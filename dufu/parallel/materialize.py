@@ -27,7 +27,8 @@ from typing import Callable, Mapping, Optional
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from dufu.models.hub import check_source_shape
 
@@ -97,6 +98,16 @@ def assign_full_(target: torch.Tensor, full: torch.Tensor) -> None:
         target.copy_(full)
 
 
+def _local_block(target: torch.Tensor) -> Optional[tuple[slice, ...]]:
+    """The block of the full tensor that ``target`` (a DTensor sharded with plain ``Shard``/``Replicate``
+    placements) holds on this rank, as slices; None for anything else (a plain tensor, ``_StridedShard`` of
+    FSDP over tensor parallelism, ``Partial``), which is then read whole and cut."""
+    if not isinstance(target, DTensor) or not all(type(p) in (Shard, Replicate) for p in target.placements):
+        return None
+    shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
+    return tuple(slice(o, o + n) for o, n in zip(offset, shape))
+
+
 def _split_name(qualified: str) -> tuple[str, str]:
     module, _, leaf = qualified.rpartition(".")
     return module, leaf
@@ -134,6 +145,11 @@ def materialize_(
         module_name, leaf = _split_name(canonical.get(name, name) if is_param else name)
         assign_full_(tensor, init.values(module_name)[leaf])
     for name, value in loaded.items():  # pretrained weights: read one at a time, only this part's names
+        index = _local_block(own[name]) if hasattr(value, "read_slice") else None
+        if index is not None:  # only this rank's block of the stored tensor is read
+            check_source_shape(what, part, name, torch.empty(value.shape, device="meta"), own[name])
+            own[name].to_local().copy_(value.read_slice(index))
+            continue
         value = value() if callable(value) else value
         check_source_shape(what, part, name, value, own[name])
         assign_full_(own[name], value)

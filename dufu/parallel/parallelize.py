@@ -11,7 +11,6 @@ sharded blocks, and FSDP wraps last so its hooks see the final modules.)
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from dufu.parallel.parallelize_utils import transformer_blocks

@@ -1,6 +1,7 @@
 """A torchrun worker: ``dufu train`` with every tensor read from a Hugging Face directory recorded, per rank,
-in ``$DUFU_TEST_READS/rank<r>.txt``, one name a line, written at once (dufu ends its workers with
-``os._exit``). Used to check that each rank reads only what it holds."""
+in ``$DUFU_TEST_READS/rank<r>.txt``, one a line, written at once (dufu ends its workers with ``os._exit``):
+``name`` for a whole tensor, ``name[start:stop,...]`` for a block of one. Used to check that each rank reads
+only what it holds."""
 
 import os
 import sys
@@ -20,5 +21,15 @@ def _recording(self, key):
     return _original(self, key)
 
 
+_original_slice = hub.HFWeights.read_slice
+
+
+def _recording_slice(self, key, index):
+    with _log.open("a") as f:
+        f.write(f"{key}[{','.join(f'{i.start}:{i.stop}' for i in index)}]\n")
+    return _original_slice(self, key, index)
+
+
 hub.HFWeights.__getitem__ = _recording
+hub.HFWeights.read_slice = _recording_slice
 sys.exit(main(sys.argv[1:]))

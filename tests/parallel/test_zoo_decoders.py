@@ -86,8 +86,9 @@ def test_gpt2_weights_from_transformers_train_under_tensor_parallelism(gpt2_hf_d
 
 
 def test_each_rank_reads_only_the_pretrained_tensors_it_holds(gpt2_hf_dir, tmp_path):
-    """pp2 x tp2 from transformers weights: a stage reads no tensor of the other stage's blocks, and the run
-    still starts from those weights (the first loss is the transformers model's)."""
+    """pp2 x tp2 from transformers weights: a stage reads no tensor of the other stage's blocks, a sharded
+    tensor stored as-is is read as the rank's block only, and the run still starts from those weights (the
+    first loss is the transformers model's)."""
     import os
     import subprocess
     import sys
@@ -115,3 +116,9 @@ def test_each_rank_reads_only_the_pretrained_tensors_it_holds(gpt2_hf_dir, tmp_p
         other = second_half if stage == 0 else first_half
         assert not [k for k in keys if k.startswith(other)], f"rank {rank} (stage {stage}) read another stage's blocks"
         assert any(k.startswith(second_half if stage == 1 else first_half) for k in keys)
+        # The vocabulary-parallel embedding (stage 0) and the tied head's copy (stage 1) are read as this
+        # tensor-parallel rank's half of the rows only.
+        half = hf_model.config.vocab_size // 2
+        tp = rank % 2
+        wte = [k for k in keys if k.startswith("transformer.wte.weight")]
+        assert wte == [f"transformer.wte.weight[{tp * half}:{(tp + 1) * half},0:{hf_model.config.n_embd}]"], wte

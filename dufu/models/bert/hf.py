@@ -15,6 +15,7 @@ import warnings
 import torch
 
 from dufu.errors import DufuError
+from dufu.models.hub import StoredTensor
 
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
                 "silu": "silu", "swish": "silu"}
@@ -106,9 +107,9 @@ def state_dict_from_hf(hf_sd, model, family: str) -> dict:
         if key is None and name == "lm_head.bias":
             key = stored(_BIAS_TWIN[family])
         if key is not None:
-            out[name] = lambda k=key: hf_sd[k]
+            out[name] = StoredTensor(hf_sd, key)
         elif name == "lm_head.weight" and model.tie_word_embeddings and stored(hf_name("wte.weight", family, False)):
-            out[name] = lambda k=stored(hf_name("wte.weight", family, False)): hf_sd[k]
+            out[name] = StoredTensor(hf_sd, stored(hf_name("wte.weight", family, False)))
         elif name.startswith(model.newly_initialized_prefixes):
             # A task head the checkpoint (e.g. a bare encoder) lacks keeps the model's own initialisation.
             out[name] = own[name]

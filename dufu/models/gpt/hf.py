@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+from dufu.models.hub import StoredTensor
+
 _ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
 _ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
                 "silu": "silu", "swish": "silu"}
@@ -74,9 +76,9 @@ def tensor_sources(hf, keys) -> dict:
         parts = key.split(".")
         if key == "lm_head.weight":
             theirs = "lm_head.weight" if "lm_head.weight" in hf else _hf_key(hf, "transformer.wte.weight")
-            out[key] = lambda t=theirs: hf[t]
+            out[key] = StoredTensor(hf, theirs)
         elif parts[0] in ("wte", "wpe", "ln_f"):
-            out[key] = lambda t=_hf_key(hf, "transformer." + key): hf[t]
+            out[key] = StoredTensor(hf, _hf_key(hf, "transformer." + key))
         elif parts[0] == "blocks":
             i, module, rest = parts[1], ".".join(parts[2:-1]), parts[-1]  # e.g. "3", "attn.q_proj", "weight"
             h = f"transformer.h.{i}."
@@ -94,7 +96,7 @@ def tensor_sources(hf, keys) -> dict:
                 if rest == "weight" and module in _CONV1D:
                     out[key] = lambda t=theirs: hf[t].t().contiguous()  # Conv1D (in, out) -> Linear (out, in)
                 else:
-                    out[key] = lambda t=theirs: hf[t]
+                    out[key] = StoredTensor(hf, theirs)
     return out
 
 

@@ -14,6 +14,7 @@ import re
 import torch
 
 from dufu.errors import DufuError
+from dufu.models.hub import StoredTensor
 
 # dufu name (inside blocks.<i>.) -> transformers name (inside model.layers.<i>.)
 _BLOCK_NAMES = {
@@ -174,14 +175,14 @@ def config_to_hf(model) -> dict:
 
 # ----------------------------------------------------------------------------- tensors
 def tensor_sources(hf, keys) -> dict:
-    """For each LlamaModel tensor name in ``keys``: a zero-argument callable reading it from ``hf``
+    """For each LlamaModel tensor name in ``keys``: a reader of it (:class:`StoredTensor`) from ``hf``
     (a dict or a lazy mapping of transformers tensors). A tied head reads the token embedding."""
     out = {}
     for key in keys:
         theirs = hf_name(key)
         if key == "lm_head.weight" and theirs not in hf:
             theirs = "model.embed_tokens.weight"
-        out[key] = lambda t=theirs: hf[t]
+        out[key] = StoredTensor(hf, theirs)
     return out
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from dufu.errors import DataError
+from dufu.models.hub import StoredTensor
 
 _PROJ = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "out_proj": "o"}
 _FF = {"fc1": "wi", "fc2": "wo", "gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
@@ -127,7 +128,7 @@ def state_dict_from_hf(hf_sd, model) -> dict:
     for name in model.state_dict():
         theirs = hf_name(name)
         if theirs in hf_sd:
-            out[name] = lambda k=theirs: hf_sd[k]
+            out[name] = StoredTensor(hf_sd, theirs)
     head = getattr(model, "lm_head", None)
     if head is None:
         return out
@@ -139,9 +140,9 @@ def state_dict_from_hf(hf_sd, model) -> dict:
                     "this T5 checkpoint's lm_head.weight differs from its embedding although the model ties them; "
                     "set model.tie_word_embeddings=False (a head of its own) to load it in a parallel layout.")
             model.untie_weights()  # a head of its own: filled from the checkpoint's
-            out["lm_head.weight"] = lambda: hf_sd["lm_head.weight"]
+            out["lm_head.weight"] = StoredTensor(hf_sd, "lm_head.weight")
     elif "lm_head.weight" not in hf_sd:
-        out["lm_head.weight"] = lambda: hf_sd["shared.weight"]
+        out["lm_head.weight"] = StoredTensor(hf_sd, "shared.weight")
     return out
 
 
