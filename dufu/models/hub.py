@@ -20,7 +20,7 @@ a pipeline stage with the other stages' blocks deleted — reads only its own te
 ``torch.distributed.checkpoint`` with the module's own keys. The trainer builds the model on the meta
 device, splits and shards it, and fills each rank's part through :func:`pretrained_source` (see
 :mod:`dufu.parallel.materialize`): a pipeline stage reads only its own tensors, and a tensor-parallel or
-ZeRO rank keeps only its slice of each. T5's adapter is not lazy yet: it reads its whole file on every rank.
+ZeRO rank reads only its block of each tensor stored as-is (:class:`StoredTensor`, safetensors ``get_slice``).
 """
 
 from __future__ import annotations
