@@ -211,9 +211,9 @@ class Trainer:
             self.checkpointer.async_group = dist.new_group(backend="gloo")
         coord = self.mesh.get_coordinate() if self.mesh is not None else [0, 0, 0]
         self.pp_rank, self.dp_rank, self.tp_rank = coord
+        attention_layers = getattr(model, "attention_layers", getattr(model, "num_layers", 0))  # T5: enc + dec
         self.flops_per_token = flops_per_token(
-            count_matmul_params(model), getattr(model, "attention_layers", getattr(model, "num_layers", 0)), getattr(model, "hidden_size", 0),
-            self.seq_length,
+            count_matmul_params(model), attention_layers, getattr(model, "hidden_size", 0), self.seq_length,
         )
         self.model_name = type(model).__name__
         self.main_input_name = getattr(model, "main_input_name", "input_ids")
@@ -329,7 +329,7 @@ class Trainer:
 
     def _pipeline_loss(self, output, target):
         # The schedule divides each micro-batch's loss by their number; this weight makes the sum the mean
-        # over the global batch's targets (see _target_weights).
+        # over the global batch's targets (see _target_weight).
         weight = self._target_weight({"labels": target}) * self.num_accumulation_steps
         loss = self._stage_loss_fn(output, target) * weight
         # The schedule runs backward itself, so fp16 loss scaling happens here (undone for logging).
@@ -398,8 +398,8 @@ class Trainer:
         for i, inputs in enumerate(batches):
             self._set_gradient_sync(i == n - 1)  # reduce gradients once, after the last micro-batch
             weight = self._target_weight(inputs)
-            with self.autocast(amp=False):
-                with self.autocast(loss=False):
+            with self.autocast(amp=False):  # the vocabulary-parallel loss, for forward and backward
+                with self.autocast(loss=False):  # mixed precision for the forward only
                     loss = self.model(**inputs).loss * weight
                 (loss * self.scaler.scale if self.scaler else loss).backward()  # outside autocast (torch's advice)
             total += local_scalar(loss)
