@@ -35,7 +35,7 @@ from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DistributedFailure, DufuError
 from dufu.models.gpt import causal_lm_loss
-from dufu.models.hub import pretrained_source
+from dufu.models.hub import check_pretrained, pretrained_source
 from dufu.parallel import parallelize
 from dufu.parallel.checks import validate_layout
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients, tied_parameters
@@ -98,6 +98,8 @@ def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
     seq_length = getattr(train_ds, "seq_length", None) or train_ds[0].shape[0] - 1
     with torch.device("meta"):
         model = build_model(cfg, tokenizer, seq_length)
+    if getattr(model, "pretrained_path", None) is not None and not resume:
+        check_pretrained(model, model.pretrained_path)  # the path and the sizes; nothing is read
     validate_layout(dims, model, t.dist, t.zero_optimization, seq_length, accum)
 
 

@@ -317,16 +317,12 @@ def _check_sizes(module: nn.Module, source_kwargs: dict, what: str) -> None:
                         "which takes them from the pretrained config.")
 
 
-def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
-                      check_sizes: bool = True) -> tuple[str, dict]:
-    """What :func:`load_pretrained` would copy into ``module``, unread: ``(what, source)``, where ``what``
-    names the source for messages and ``source`` maps each of ``module``'s tensor names to a tensor or a
-    zero-argument callable that reads it. Sizes that differ from the source's config or a parameter the
-    source lacks is an error naming both; ``strict`` also refuses source tensors ``module`` has no place for.
-    ``module`` may be a pipeline stage or hold sharded tensors: only its names and global shapes are used."""
+def check_pretrained(module: nn.Module, path: str | Path, check_sizes: bool = True):
+    """Where ``path``'s weights come from, checked without reading a tensor: ``(what, adapter, None)`` for a
+    Hugging Face directory, ``(what, None, checkpoint_dir)`` for a dufu run or checkpoint. A missing path, or
+    sizes in the source's config that differ from ``module``'s, is a DataError naming both (the start-up
+    checks of ``dufu train --nproc`` run this before any worker starts)."""
     path = Path(path)
-    own = module.state_dict()
-    tied = getattr(module, "tied_parameter_names", {})
     if (path / "config.json").is_file():
         hf_config = read_hf_config(path)
         ad = adapters().get(hf_config.get("model_type"))
@@ -335,8 +331,8 @@ def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
         what = f"the Hugging Face weights in {path}"
         if check_sizes:
             _check_sizes(module, ad.config_from_hf(hf_config), what)
-        source = ad.state_dict_from_hf(HFWeights(path) if ad.lazy else read_hf_state_dict(path), module)
-    elif path.exists():
+        return what, ad, None
+    if path.exists():
         from dufu.config import LazyConfig
 
         ckpt = _resolve_dufu_checkpoint(path)
@@ -344,10 +340,25 @@ def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
         if check_sizes and (ckpt / "config.yaml").is_file():
             node = LazyConfig.load(str(ckpt / "config.yaml")).model
             _check_sizes(module, {k: node.get(k) for k in _STRUCTURAL}, what)
-        source = _dufu_checkpoint_tensors(ckpt, module, list(own))
+        return what, None, ckpt
+    raise DataError(f"pretrained weights {path} do not exist. Give a Hugging Face directory "
+                    "(config.json + model.safetensors), a dufu run's output_dir or a checkpoint directory.")
+
+
+def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
+                      check_sizes: bool = True) -> tuple[str, dict]:
+    """What :func:`load_pretrained` would copy into ``module``, unread: ``(what, source)``, where ``what``
+    names the source for messages and ``source`` maps each of ``module``'s tensor names to a tensor or a
+    zero-argument callable that reads it. Sizes that differ from the source's config or a parameter the
+    source lacks is an error naming both; ``strict`` also refuses source tensors ``module`` has no place for.
+    ``module`` may be a pipeline stage or hold sharded tensors: only its names and global shapes are used."""
+    own = module.state_dict()
+    tied = getattr(module, "tied_parameter_names", {})
+    what, ad, ckpt = check_pretrained(module, path, check_sizes)
+    if ad is not None:
+        source = ad.state_dict_from_hf(HFWeights(path) if ad.lazy else read_hf_state_dict(path), module)
     else:
-        raise DataError(f"pretrained weights {path} do not exist. Give a Hugging Face directory "
-                        "(config.json + model.safetensors), a dufu run's output_dir or a checkpoint directory.")
+        source = _dufu_checkpoint_tensors(ckpt, module, list(own))
     missing = [k for k in own if k not in source and k not in tied]
     unexpected = [k for k in source if k not in own] if strict else []
     if missing or unexpected:

@@ -223,3 +223,20 @@ def test_an_encoder_decoder_counts_both_stacks_as_pipeline_layers(tmp_path):
     with pytest.raises(LayoutError, match="at most 4 stages"):
         preflight_recipe(tmp_path, "t5_debug", 2, f"{PP}=2", f"{SCHEDULE}=interleaved_1f1b", f"{VIRTUAL}=4",
                          f"{ACCUM}=2")
+
+
+def test_a_bad_pretrained_source_fails_at_preflight(tmp_path):
+    """model.pretrained is read only by the workers (each its own part), so the start-up checks look at the path
+    and the source's sizes first: one clear error before any worker starts."""
+    from dufu.errors import DataError
+    from dufu.models.gpt import GPTModel
+    from dufu.models.hub import save_pretrained
+
+    with pytest.raises(DataError, match="do not exist"):
+        preflight(load_config("gpt_debug", [f"model.pretrained={tmp_path / 'missing'}",
+                                            f"train.output_dir={tmp_path / 'a'}"]), world_size=1)
+    save_pretrained(GPTModel(vocab_size=384, hidden_size=32, num_layers=2, num_attention_heads=4,
+                             max_position_embeddings=32), tmp_path / "hf")
+    with pytest.raises(DataError, match=r"hidden_size=64 \(pretrained: 32\)"):
+        preflight(load_config("gpt_debug", [f"model.pretrained={tmp_path / 'hf'}",
+                                            f"train.output_dir={tmp_path / 'b'}"]), world_size=1)
