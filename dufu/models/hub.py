@@ -137,8 +137,20 @@ def build_from_hf_config(hf_config: dict, architecture: Optional[str] = None, **
 
 def from_pretrained(path: str | Path, architecture: Optional[str] = None, **overrides) -> nn.Module:
     """Load a Hugging Face model directory into the matching dufu model (fp32, training mode)."""
-    model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
-    return load_pretrained(model, path, strict=True, check_sizes=False)  # built from that very config
+    with torch.device("meta"):
+        model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
+    return _filled(model, path, strict=True)
+
+
+def _filled(model: nn.Module, path: str | Path, strict: bool = False) -> nn.Module:
+    """A meta-built ``model`` (built from ``path``'s own config) allocated on the CPU and filled from ``path``:
+    the source's tensors are read one at a time into place, and only what it lacks (buffers, a new task head)
+    is initialised (seeded from torch's global generator), so no random full model is made first."""
+    from dufu.parallel.materialize import materialize_
+
+    seed = int(torch.randint(0, 2**62, ()).item())
+    return materialize_(model, model, torch.device("cpu"), seed=seed,
+                        pretrained=lambda m: pretrained_source(m, path, strict=strict, check_sizes=False))
 
 
 def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dict] = None) -> Path:
@@ -404,7 +416,8 @@ def pretrained_model(path: str | Path, architecture: Optional[str] = None, **ove
     path = Path(path)
     meta = torch.empty(0).is_meta
     if (path / "config.json").is_file():
-        model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
+        with torch.device("meta"):
+            model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
     else:
         from dufu.config import LazyConfig, instantiate
 
@@ -419,14 +432,10 @@ def pretrained_model(path: str | Path, architecture: Optional[str] = None, **ove
             node["pretrained"] = None  # the checkpoint's own weights replace those it started from
         with torch.device("meta"):
             model = instantiate(node)  # shapes only; a pretrained_model node here reads nothing on meta
-        if not meta:
-            model.to_empty(device="cpu")
-            if not hasattr(model, "init_weights"):
-                raise DufuError(f"{type(model).__name__} has no init_weights(), so it cannot be materialised "
-                                "from a meta-device build to load a checkpoint into.")
-            model.init_weights()  # buffers (e.g. rotary tables) and any tied tensor
+        if not meta and not callable(getattr(model, "init_module", None)):
+            raise DufuError(f"{type(model).__name__} has no init_module(), so it cannot be materialised "
+                            "from a meta-device build to load a checkpoint into.")
     if meta:
         model.pretrained_path = str(path)  # read later, shard by shard (dufu.parallel.materialize)
-    else:
-        load_pretrained(model, path, check_sizes=False)  # built from the source's own config
-    return model
+        return model
+    return _filled(model, path)  # built from the source's own config

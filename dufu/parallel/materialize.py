@@ -131,8 +131,8 @@ def materialize_(
     part.to_empty(device=device)
     if hasattr(part, "tie_weights"):
         part.tie_weights()
-    own = part.state_dict()
     what, source = pretrained(part) if pretrained is not None else ("", {})
+    own = part.state_dict()  # after the source: an adapter may untie a head (T5), giving it its own tensor
     # A source value that is the part's own tensor (a new task head) keeps its initialisation.
     loaded = {n: v for n, v in source.items()
               if not (isinstance(v, DTensor) or (isinstance(v, torch.Tensor) and v.data_ptr() == own[n].data_ptr()))}
