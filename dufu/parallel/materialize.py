@@ -29,8 +29,13 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from dufu.models.hub import check_source_shape
+
+
+# Placements whose local tensor is one block of the full tensor (torch's own offset arithmetic, as DCP uses).
+_BLOCK_PLACEMENTS = (Shard, Replicate, _StridedShard)
 
 
 def module_seed(seed: int, name: str) -> int:
@@ -99,10 +104,10 @@ def assign_full_(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def _local_block(target: torch.Tensor) -> Optional[tuple[slice, ...]]:
-    """The block of the full tensor that ``target`` (a DTensor sharded with plain ``Shard``/``Replicate``
-    placements) holds on this rank, as slices; None for anything else (a plain tensor, ``_StridedShard`` of
-    FSDP over tensor parallelism, ``Partial``), which is then read whole and cut."""
-    if not isinstance(target, DTensor) or not all(type(p) in (Shard, Replicate) for p in target.placements):
+    """The block of the full tensor that ``target`` holds on this rank, as slices: for a DTensor sharded by TP
+    (``Shard``), FSDP (``Shard``), both (FSDP's ``_StridedShard`` within the TP shard: still one contiguous
+    block) or replicated. None for anything else (a plain tensor, ``Partial``), which is read whole."""
+    if not isinstance(target, DTensor) or not all(type(p) in _BLOCK_PLACEMENTS for p in target.placements):
         return None
     shape, offset = compute_local_shape_and_global_offset(target.shape, target.device_mesh, target.placements)
     return tuple(slice(o, o + n) for o, n in zip(offset, shape))

@@ -108,3 +108,33 @@ def test_meta_init_off_gives_the_same_run(tmp_path):
     train(tmp_path / "meta", args, recipe="gpt_debug")
     train(tmp_path / "full", (*args, "train.meta_init=False"), recipe="gpt_debug")
     assert losses(tmp_path / "meta") == losses(tmp_path / "full")
+
+
+def test_the_block_a_rank_reads_is_its_shard():
+    """For every rank of a 2 x 2 (data, tensor) mesh and the placements TP, FSDP and FSDP over TP give
+    (uneven sizes included), the block read from storage equals what distribute_tensor keeps on that rank.
+    One process, with torch's fake process group standing in for each rank in turn."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dufu.parallel.materialize import _local_block
+
+    full = torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6)
+    cases = [[_StridedShard(0, split_factor=2), Shard(0)], [_StridedShard(1, split_factor=2), Shard(1)],
+             [Shard(0), Shard(1)], [Shard(0), Shard(0)], [Replicate(), Shard(1)], [Shard(0), Replicate()]]
+    for rank in range(4):
+        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+            for placements in cases:
+                shard = distribute_tensor(full, mesh, placements, src_data_rank=None)
+                block = _local_block(shard)
+                assert block is not None
+                torch.testing.assert_close(full[block], shard.to_local(), rtol=0, atol=0,
+                                           msg=lambda m: f"rank {rank} {placements}: {m}")
+        finally:
+            dist.destroy_process_group()
+    assert _local_block(full) is None  # a plain tensor is read whole

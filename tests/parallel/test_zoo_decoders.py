@@ -2,8 +2,8 @@
 
 llama_debug in fp32 with a fixed global batch of 8 for 5 steps (as tests/parallel/test_loss_parity.py does
 for gpt_debug) under tensor, pipeline and 3-D parallelism; and GPT-2 weights imported from a transformers
-directory through ``model.pretrained`` under tensor parallelism, where every rank loads the weights itself:
-the first loss must be the transformers model's loss on the first batch.
+directory through ``model.pretrained`` under tp2 and dp2 x tp2 ZeRO-3, where every rank reads its own block of
+each tensor: the first loss must be the transformers model's loss on the first batch.
 """
 
 from __future__ import annotations
@@ -73,16 +73,30 @@ def first_batch_loss(hf_model) -> float:
     return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten()).item()
 
 
-def test_gpt2_weights_from_transformers_train_under_tensor_parallelism(gpt2_hf_dir, tmp_path):
+@pytest.fixture(scope="module")
+def gpt2_hf_reference(gpt2_hf_dir, tmp_path_factory):
+    """One process trained from the transformers weights; its first loss is transformers' own."""
     path, hf_model = gpt2_hf_dir
-    args = (*PARITY_ARGS, f"model.pretrained={path}")
-    ref = tmp_path / "single"
-    train(ref, args, recipe="gpt_debug")
-    first = losses(ref)[0]
-    assert first == pytest.approx(first_batch_loss(hf_model), rel=1e-5)  # the imported weights, not an init
-    out = tmp_path / "tp2"
-    assert_ok(run_dufu(out, 2, *args, TP2, config="gpt_debug"))
-    assert_same_run(out, ref, "GPT-2 from transformers, tp2")
+    ref = tmp_path_factory.mktemp("gpt2_hf_reference") / "single"
+    train(ref, (*PARITY_ARGS, f"model.pretrained={path}"), recipe="gpt_debug")
+    assert losses(ref)[0] == pytest.approx(first_batch_loss(hf_model), rel=1e-5)  # the imported weights, not an init
+    return ref
+
+
+# Each rank reads its block of every stored tensor: TP's Shard, and FSDP over TP (_StridedShard).
+PRETRAINED_LAYOUTS = {
+    "tp2": (2, [TP2]),
+    "dp2xtp2-zero3": (4, [DP2, TP2, "train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(PRETRAINED_LAYOUTS))
+def test_gpt2_weights_from_transformers_train_in_parallel_layouts(layout, gpt2_hf_dir, gpt2_hf_reference, tmp_path):
+    path, _ = gpt2_hf_dir
+    nproc, overrides = PRETRAINED_LAYOUTS[layout]
+    out = tmp_path / layout
+    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, f"model.pretrained={path}", *overrides, config="gpt_debug"))
+    assert_same_run(out, gpt2_hf_reference, f"GPT-2 from transformers, {layout}")
 
 
 def test_each_rank_reads_only_the_pretrained_tensors_it_holds(gpt2_hf_dir, tmp_path):
