@@ -4,8 +4,8 @@ Each stage receives the batch's inputs other than the main input and the labels 
 types ...) as keyword arguments, from its own rank's copy of the batch; only activations travel between
 stages. In process: how a batch is split for the schedule, and that a stage chain with masks computes the
 whole model's forward. Multi-process: a padded classification batch (bert_classify_debug: ``input_ids``,
-``attention_mask``, ``labels``) trains under pipeline parallel 2 to the single-process numbers (fp32, global
-batch 8, 5 steps; losses within 1e-5 relative, final weights too).
+``attention_mask``, ``labels``) trains under pipeline parallel 2 to the single-process numbers
+(``bert-classify-pp2`` in tests/parallel/test_zoo_encoders.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from dufu.errors import LayoutError
 from dufu.models.bert import BertForSequenceClassification
 from dufu.models.t5 import T5ForConditionalGeneration
 from dufu.parallel.pipeline import build_stage_module, split_pipeline_batch
-from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, run_dufu
 
 
 def tiny_bert():
@@ -82,18 +81,3 @@ def test_stages_with_the_padding_mask_compute_the_whole_forward():
     torch.testing.assert_close(type(model).pipeline_loss(logits, target), ref.loss, rtol=0, atol=0)
     unmasked = stages[2](stages[1](h, token_type_ids=kwargs["token_type_ids"]), **kwargs)
     assert not torch.allclose(unmasked, logits)
-
-
-# id: (recipe, processes, overrides)
-LAYOUTS = {
-    "bert-classify-pp2": ("bert_classify_debug", 2, ["train.dist.pipeline_parallel_size=2"]),
-}
-
-
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_padded_batches_train_under_pipeline_parallelism_as_on_one_process(layout, recipe_reference, tmp_path):
-    recipe, nproc, overrides = LAYOUTS[layout]
-    reference = recipe_reference(recipe)
-    out = tmp_path / layout
-    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, *overrides, config=recipe))
-    assert_matches_reference(out, reference, layout)

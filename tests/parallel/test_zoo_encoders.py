@@ -5,6 +5,8 @@
   carry only ``input_ids`` and ``labels``, so the pipeline passes one tensor between stages and the last stage
   takes BERT's masked-LM loss (``pipeline_loss``); RoBERTa (its own positions) under tensor + sequence
   parallelism.
+* bert_classify_debug (padded sentences: ``input_ids``, ``attention_mask``, ``labels``) under pipeline
+  parallelism: every stage takes the mask from its own copy of the batch.
 * a transformers architecture trained as-is (hf_auto_gpt_neox_debug) under data parallelism with ZeRO 3.
 
 fp32, fixed global batch 8, 5 steps: logged losses equal the single-process ones within 1e-5 relative, and the
@@ -21,6 +23,8 @@ from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, run_
 LAYOUTS = {
     "bert-tp2": ("bert_debug", 2, ["train.dist.tensor_parallel_size=2"]),
     "bert-pp2": ("bert_debug", 2, ["train.dist.pipeline_parallel_size=2"]),
+    # padded batches (attention_mask) under pipeline parallelism: every stage gets the mask from its own batch
+    "bert-classify-pp2": ("bert_classify_debug", 2, ["train.dist.pipeline_parallel_size=2"]),
     "bert-tp2-sp": ("bert_debug", 2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"]),
     "roberta-tp2-sp": ("roberta_debug", 2, ["train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"]),
     "hf-auto-dp2-zero3": ("hf_auto_gpt_neox_debug", 2, ["train.dist.data_parallel_size=2",
