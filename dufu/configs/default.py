@@ -1,5 +1,7 @@
 # The default recipe (`dufu train` with no config): a small GPT on the built-in corpus,
-# about two and a half minutes on two CPU cores, ending with a few generated samples.
+# about a minute and a half on two CPU cores, ending with a few generated samples. 400 steps (8 passes over
+# the 800 training samples of 128 tokens) end near the best held-out perplexity (~105); at 600 steps the model
+# overfits (validation perplexity back up to ~140).
 from .common.data.corpus import dataloader, tokenization
 from .common.models.gpt import model
 from .common.optim import optim
@@ -22,13 +24,13 @@ dataloader.train.valid_fraction = 0.15  # enough held-out text for a few global 
 optim.lr = 2e-3
 train.update(
     output_dir="output/default",
-    train_iter=600,
+    train_iter=400,
     train_micro_batch_size=16,
     log_period=10,
 )
 train.scheduler.warmup_iter = 30
 train.amp.enabled = True  # bf16 autocast
-train.evaluation.eval_period = 200
+train.evaluation.eval_period = 100
 train.evaluation.eval_iter = 8
 train.checkpointer.period = 200
 train.generation.update(enabled=True, prompts=["The ", "A class ", "Python "], max_new_tokens=48)
