@@ -218,6 +218,7 @@ class Trainer:
             count_matmul_params(model), attention_layers, getattr(model, "hidden_size", 0), self.seq_length,
         )
         self.model_name = type(model).__name__
+        self.pretrained_path = getattr(model, "pretrained_path", None)
         self.main_input_name = getattr(model, "main_input_name", "input_ids")
         self._stage_loss_fn = getattr(type(model), "pipeline_loss", causal_lm_loss)
         self.num_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
@@ -760,8 +761,22 @@ class Trainer:
             f"{len(self.valid_ds) if self.valid_ds is not None else 0:,} validation samples; tokenizer vocab "
             f"{self.tokenizer.vocab_size:,}",
             f"  MFU          {self.flops_per_token / 1e6:,.1f} MFLOP/token (6N + 12*L*H*T); peak {self.peak_source}",
+            self._weights_line(),
             f"  output       {self.output_dir}",
         ])
+
+    def _weights_line(self) -> str:
+        """Where the weights come from and how much of the model this rank holds (people read it on rank 0)."""
+        if self.resume_from is not None:
+            source = f"from checkpoint {self.resume_from.name}"
+        elif self.pretrained_path is not None:
+            source = f"pretrained, {self.pretrained_path}"
+        else:
+            source = f"random init (seed {self.cfg.train.seed})"
+        held = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+                   for p in {id(p): p for part in self.model_parts for p in part.parameters()}.values())
+        build = "built on the meta device" if self.meta_init else "built in full on every rank"
+        return f"  weights      {source}; {build}, rank {self.rank} holds {held / 1e6:.2f}M parameters"
 
     def summary_text(self, s: dict) -> str:
         lines = ["", "=" * 72, f"finished: {s['steps']} steps in {s['seconds']:.1f} s (now at step {s['final_step']})"]

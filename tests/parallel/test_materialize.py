@@ -105,9 +105,13 @@ def test_meta_init_off_gives_the_same_run(tmp_path):
     from parallel_runs import losses
 
     args = ("train.train_iter=3", "train.evaluation.enabled=False", "train.tensorboard=False")
-    train(tmp_path / "meta", args, recipe="gpt_debug")
-    train(tmp_path / "full", (*args, "train.meta_init=False"), recipe="gpt_debug")
+    meta = train(tmp_path / "meta", args, recipe="gpt_debug")
+    full = train(tmp_path / "full", (*args, "train.meta_init=False"), recipe="gpt_debug")
     assert losses(tmp_path / "meta") == losses(tmp_path / "full")
+    # the start-up summary says where the weights come from and how they were built
+    described = "\n".join(meta.log + full.log)
+    assert "weights      random init (seed 1234); built on the meta device, rank 0 holds" in described
+    assert "built in full on every rank" in described
 
 
 def test_the_block_a_rank_reads_is_its_shard():
