@@ -29,7 +29,9 @@ train = dict(
     meta_init=True,
     activation_checkpoint=dict(enabled=False),
     compile=dict(enabled=False),
-    # async_save: write checkpoints in the background while training goes on (torch DCP async_save).
+    # period: save every N steps (0: no periodic saves); the last step (and an early stop) is always saved, so
+    # a finished run can be resumed, converted and sampled. async_save: write in the background while training
+    # goes on (torch DCP async_save).
     checkpointer=dict(period=1000, max_to_keep=3, async_save=False),
     evaluation=dict(enabled=True, eval_period=500, eval_iter=20, eval_batch_size=None),
     generation=dict(
