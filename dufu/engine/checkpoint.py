@@ -32,7 +32,13 @@ from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import StorageMeta
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 
 from dufu.errors import CheckpointError
 
@@ -251,7 +257,10 @@ class Checkpointer:
             shutil.rmtree(path, ignore_errors=True)
 
     # ------------------------------------------------------------------- load
-    def verify(self, path: Path) -> dict:
+    def verify(self, path: Path, share: tuple[int, int] = (0, 1)) -> dict:
+        """Check a checkpoint against its manifest: every file present with its size, and the SHA-256 of the
+        files in this process's ``share`` = (index, count) of them (all by default; the ranks of a job split
+        the hashing, see :meth:`verify_together`). Returns the manifest."""
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint {path} does not exist. Check the path, or omit it to use the latest one.")
@@ -265,7 +274,7 @@ class Checkpointer:
             manifest = json.loads(manifest_path.read_text())
         except ValueError as e:
             raise CheckpointError(f"checkpoint manifest {manifest_path} is corrupt ({e}). Use an earlier checkpoint.") from None
-        for name, info in manifest["files"].items():
+        for i, (name, info) in enumerate(sorted(manifest["files"].items())):
             f = path / name
             if not f.is_file():
                 raise CheckpointError(f"checkpoint file {f} is missing (listed in {MANIFEST}). Use an earlier checkpoint.")
@@ -275,11 +284,28 @@ class Checkpointer:
                     f"checkpoint file {f} is truncated or changed: {size} bytes, the manifest says {info['bytes']}. "
                     "Use an earlier checkpoint."
                 )
-            if _sha256(f) != info["sha256"]:
+            if i % share[1] == share[0] and _sha256(f) != info["sha256"]:
                 raise CheckpointError(
                     f"checkpoint file {f} is corrupt: its SHA-256 checksum does not match the manifest. "
                     "Use an earlier checkpoint."
                 )
+        return manifest
+
+    def verify_together(self, path: Path) -> dict:
+        """:meth:`verify` by all ranks of a job, each hashing its share of the files (so a large checkpoint is
+        read once, not once per rank); any rank's finding is raised on every rank."""
+        if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+            return self.verify(path)
+        rank, world = dist.get_rank(), dist.get_world_size()
+        try:
+            manifest, error = self.verify(path, share=(rank, world)), ""
+        except CheckpointError as e:
+            manifest, error = None, str(e)
+        errors = [None] * world
+        dist.all_gather_object(errors, error)
+        found = next((e for e in errors if e), None)
+        if found:
+            raise CheckpointError(found)
         return manifest
 
     def consolidated_model_state(self, path: Path) -> dict:
@@ -329,13 +355,9 @@ class Checkpointer:
                             break
         return renames
 
-    def load(self, path: Path, model, optimizer) -> dict:
-        """Load model and optimizer in place (resharding to the current layout); return this rank's trainer state."""
-        path = Path(path)
-        self.verify(path)
-        parts, optims = _as_list(model), _as_list(optimizer)
-        model_sd, optim_sd, keys = _state_dicts(parts, optims)
-        state = {"model": model_sd, "optim": optim_sd}
+    def _load_sharded(self, path: Path, parts, state: dict) -> None:
+        """DCP-load ``state`` (this rank's sharded state dicts) in place: each rank reads the chunks its shards
+        need, resharding from the saved layout; tied tensors stored under the other name are found."""
         renames = self._tied_renames(path, parts, state)
         for group, old, new in renames:  # load a tied tensor under the name the checkpoint has
             state[group][new] = state[group].pop(old)
@@ -351,6 +373,27 @@ class Checkpointer:
                 raise CheckpointError(_describe_load_failure(path, e)) from None
         for group, old, new in renames:
             state[group][old] = state[group].pop(new)
+
+    def load_model(self, path: Path, model) -> None:
+        """Load only the model weights of checkpoint ``path`` into ``model`` (a part or a list of pipeline-stage
+        parts), in any layout: starting a run from another run's weights (``model.pretrained`` = a dufu run)."""
+        path = Path(path)
+        self.verify_together(path)
+        parts = _as_list(model)
+        sds = [get_model_state_dict(part, options=_OPTIONS) for part in parts]
+        state = {"model": {k: v for sd in sds for k, v in sd.items()}}
+        self._load_sharded(path, parts, state)
+        for part, sd in zip(parts, sds):
+            set_model_state_dict(part, {k: state["model"][k] for k in sd}, options=_OPTIONS)
+
+    def load(self, path: Path, model, optimizer) -> dict:
+        """Load model and optimizer in place (resharding to the current layout); return this rank's trainer state."""
+        path = Path(path)
+        self.verify_together(path)
+        parts, optims = _as_list(model), _as_list(optimizer)
+        model_sd, optim_sd, keys = _state_dicts(parts, optims)
+        state = {"model": model_sd, "optim": optim_sd}
+        self._load_sharded(path, parts, state)
         for part, opt, (mkeys, okeys) in zip(parts, optims, keys):
             set_state_dict(
                 part, opt,

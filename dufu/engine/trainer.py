@@ -194,6 +194,7 @@ class Trainer:
         self.train_ds, self.valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=self.tokenizer))
         self.seq_length = getattr(self.train_ds, "seq_length", None) or self.train_ds[0].shape[0] - 1
         check_validation_set(cfg, self.valid_ds, self.global_batch_size)
+        self._pretrained_checkpoint = None  # model.pretrained = a dufu run: loaded after the parts are built
         # Shapes only: each rank allocates just what it holds after splitting and sharding (_build_parts).
         with torch.device("meta"):
             model = build_model(self.cfg, self.tokenizer, self.seq_length)
@@ -223,6 +224,9 @@ class Trainer:
         self._stage_loss_fn = getattr(type(model), "pipeline_loss", causal_lm_loss)
         self.num_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         self.model_parts, self.schedule, self.stage_flags = self._build_parts(model, stage_ids)
+        if self._pretrained_checkpoint is not None:  # each rank reads the chunks of its own shards (DCP)
+            ckpt = self._pretrained_checkpoint
+            Checkpointer(ckpt.parent, rank=self.rank).load_model(ckpt, self.model_parts)
         self.model = self.model_parts[0]
         self.tied_copies, tied = tied_parameters(self.model_parts)
         self.tied_group = self._tied_group() if stage_ids is not None and getattr(model, "tie_word_embeddings", False) else None
@@ -299,10 +303,15 @@ class Trainer:
         return [parts[s] for s in sorted(parts)], schedule, flags
 
     def _pretrained_source(self, model):
-        """The reader of ``model.pretrained`` weights for a part, or None (no such source, or resuming: the
-        checkpoint replaces every weight)."""
+        """The reader of ``model.pretrained`` weights for a part when they are a Hugging Face directory, or None:
+        no such source, resuming (the checkpoint replaces every weight), or a dufu run, whose checkpoint all
+        ranks read together once the parts exist (``_pretrained_checkpoint``, Checkpointer.load_model)."""
         path = getattr(model, "pretrained_path", None)
         if path is None or self.resume_from is not None:
+            return None
+        *_, checkpoint = check_pretrained(model, path)
+        if checkpoint is not None:
+            self._pretrained_checkpoint = checkpoint
             return None
         return lambda part: pretrained_source(part, path)
 

@@ -50,6 +50,22 @@ def test_resume_from_corrupt_checkpoint_fails_naming_the_file(copy_run):
     assert snapshot(out) == before  # nothing was written
 
 
+def test_ranks_share_the_hashing_and_one_finding_is_enough(copy_run):
+    """A job's ranks hash disjoint shares of the files (verify_together): of two shares exactly one holds the
+    corrupted file, and the two together cover every file."""
+    out = copy_run()
+    ckpt = out / "checkpoints" / "step_0000010"
+    checkpointer = Checkpointer(out / "checkpoints")
+    corrupt_one_byte(sorted(ckpt.glob("*.distcp"))[0])
+    found = []
+    for share in ((0, 2), (1, 2)):
+        try:
+            checkpointer.verify(ckpt, share=share)
+        except CheckpointError as e:
+            found.append(str(e))
+    assert len(found) == 1 and "checksum" in found[0]
+
+
 def test_truncated_and_missing_files_are_reported(copy_run):
     out = copy_run()
     ckpt = out / "checkpoints" / "step_0000010"
