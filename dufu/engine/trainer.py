@@ -293,7 +293,11 @@ class Trainer:
                 compile=t.get("compile", {}).get("enabled", False),
             )
             if self.meta_init:
-                materialize_(part, model, self.device, seed=t.seed, pretrained=self._pretrained_source(model))
+                source = self._pretrained_source(model)
+                # A checkpoint loaded next (--resume, or a dufu run as model.pretrained) sets every parameter:
+                # no random values are drawn for them.
+                fresh = self.resume_from is None and self._pretrained_checkpoint is None
+                materialize_(part, model, self.device, seed=t.seed, pretrained=source, init_parameters=fresh)
         flags = {"first": 0 in parts, "last": (num_stages - 1) in parts}
         schedule = None
         if stage_ids is not None:

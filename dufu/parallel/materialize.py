@@ -126,12 +126,15 @@ def materialize_(
     *,
     seed: int,
     pretrained: Optional[Callable[[nn.Module], tuple[str, Mapping]]] = None,
+    init_parameters: bool = True,
 ) -> nn.Module:
     """Allocate ``part`` (a meta-built, possibly parallelized model or pipeline stage) on ``device`` and fill
     it: the tensors ``pretrained`` provides, if given, and initial values from ``reference.init_module``
     (``reference``: the unsplit meta model) for the rest. ``pretrained(part)`` returns ``(what, source)``:
     ``source`` maps parameter names to tensors or zero-argument callables that read one (see
-    :func:`dufu.models.hub.pretrained_source`); a value that already is a DTensor is the part's own
+    :func:`dufu.models.hub.pretrained_source`); ``init_parameters=False`` leaves parameters unset (only buffers
+    are computed) for a caller that loads every one of them next (a resumed checkpoint, whose strict load
+    fails on any it lacks). A source value that already is a DTensor is the part's own
     (a new task head keeping its initialisation) and is left alone."""
     part.to_empty(device=device)
     if hasattr(part, "tie_weights"):
@@ -143,7 +146,7 @@ def materialize_(
               if not (isinstance(v, DTensor) or (isinstance(v, torch.Tensor) and v.data_ptr() == own[n].data_ptr()))}
     init = ModuleInitializer(reference, seed)
     canonical = _canonical_names(reference)
-    tensors = [(n, t, True) for n, t in part.named_parameters() if n not in loaded]
+    tensors = [(n, t, True) for n, t in part.named_parameters() if n not in loaded and init_parameters]
     tensors += [(n, t, False) for n, t in part.named_buffers()]
     # Group by the (canonical) owning module so each module's initialisation runs once.
     for name, tensor, is_param in sorted(tensors, key=lambda x: _split_name(canonical.get(x[0], x[0]))[0]):
