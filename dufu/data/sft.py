@@ -12,19 +12,18 @@ So the model is trained to write the response (and to stop after it) given the p
 and torchtitan's SFT data, LiBai's instruction tuning and TRL's "completion only" loss. ``shift_labels``
 (transformers' name) are already the next-token ids, so no position is wasted and a pipeline's last stage
 takes them as its target unchanged. Padding is on the right: a causal model never attends to what comes
-after a position, so the padding changes no logit of a real token and no attention mask is needed — every
-parallel layout, pipeline parallelism included (it passes ``input_ids`` and the target only), takes these
-samples.
+after a position, so the padding changes no logit of a real token and no attention mask is needed; every
+parallel layout, pipeline parallelism included, takes these samples.
 
 Lengths: a sample holds ``seq_length + 1`` tokens (inputs and targets overlap by all but one, like the
 pretraining samples of :mod:`~dufu.data.dataset`). A prompt longer than ``max_prompt_length`` (default half
 of ``seq_length``) keeps its last tokens — the ones next to the response — so every sample has response
 targets; then the response (with its EOS) is cut at the end to fit.
 
-The loss the models compute is the mean over the target tokens of each micro-batch. With one micro-batch
-per step that is the mean over the response tokens of the global batch; with gradient accumulation or
-several data-parallel ranks the trainer averages micro-batch means, which weights micro-batches with fewer
-response tokens more (the same in every layout for a given micro-batch size).
+The loss the models compute is the mean over the target tokens of each micro-batch; the trainer weights each
+micro-batch by its share of the global batch's targets, so a step's loss is the mean over all the response
+tokens of the global batch, whatever the micro-batch size and layout (docs/parallelism.md, "The loss of a
+step").
 
 The built-in data set (``data_path="builtin"``) needs no download: for each topic of CPython's
 ``pydoc_data`` (the built-in corpus, see :mod:`~dufu.data.corpus`) the prompt is ``Explain the Python
