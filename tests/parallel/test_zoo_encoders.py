@@ -2,8 +2,8 @@
 
 * bert_debug (masked LM, the same masks in every layout) under tensor (also with sequence parallelism: post-norm
   blocks add a norm's output to the attention output, both sequence shards) and pipeline parallelism: batches
-  carry only ``input_ids`` and ``labels``, so the pipeline passes one tensor between stages and the last stage
-  takes BERT's masked-LM loss (``pipeline_loss``); RoBERTa (its own positions) under tensor + sequence
+  carry only ``input_ids`` and ``labels``: the stages pass hidden states and the last stage takes BERT's
+  masked-LM loss (``pipeline_loss``); RoBERTa (its own positions) under tensor + sequence
   parallelism.
 * bert_classify_debug (padded sentences: ``input_ids``, ``attention_mask``, ``labels``) under pipeline
   parallelism: every stage takes the mask from its own copy of the batch.
