@@ -3,15 +3,10 @@
 # `dufu train gpt_debug`) or a transformers GPT-2 directory whose sizes model.* match (then also the tokenizer:
 # tokenization.tokenizer.kind=pretrained tokenization.tokenizer.path=DIR).
 from .common.data.sft import dataloader
+from .common.finetune import finetune_run
 from .gpt_debug import model, optim, tokenization, train
 
 model.pretrained = "output/gpt_debug"
 dataloader.train.seq_length = 32  # gpt_debug's max_position_embeddings
 
-optim.lr = 2e-4
-optim.weight_decay = 0.0
-train.update(
-    output_dir="output/gpt_sft",
-    train_iter=20,
-)
-train.scheduler.update(warmup_iter=2, min_lr_ratio=1.0)
+finetune_run(train, optim, "output/gpt_sft")

@@ -5,15 +5,10 @@
 # directory also set the tokenizer: tokenization.tokenizer.kind=pretrained tokenization.tokenizer.path=DIR,
 # and a longer dataloader.train.seq_length). Lower learning rate, short warmup, no decay to zero.
 from .common.data.sft import dataloader
+from .common.finetune import finetune_run
 from .llama_debug import model, optim, tokenization, train
 
 model.pretrained = "output/llama_debug"
 dataloader.train.seq_length = 32  # llama_debug's max_position_embeddings
 
-optim.lr = 2e-4
-optim.weight_decay = 0.0
-train.update(
-    output_dir="output/llama_sft",
-    train_iter=20,
-)
-train.scheduler.update(warmup_iter=2, min_lr_ratio=1.0)
+finetune_run(train, optim, "output/llama_sft")
