@@ -21,7 +21,25 @@ class InitByModule:
     """Mixin for ``nn.Module`` models: ``init_weights`` from a per-module rule (see the module docstring)."""
 
     def tie_weights(self) -> None:
-        """Families with a tied output head point it at the embedding again (``to_empty`` unties them)."""
+        """A tied output head (``tie_word_embeddings``) uses the token embedding's tensor: called at build and
+        again after ``to_empty`` (which gives every module its own tensor). A pipeline stage that holds only one
+        of the two (the last stage keeps its own copy of the head) has nothing to tie."""
+        wte, lm_head = getattr(self, "wte", None), getattr(self, "lm_head", None)
+        if getattr(self, "tie_word_embeddings", False) and wte is not None and lm_head is not None:
+            lm_head.weight = wte.weight
+
+    def finish_init(self, pretrained=None) -> None:
+        """The end of every family's constructor: tie the head, remember where pretrained weights come from
+        (``pretrained_path``: read later, shard by shard, after a meta-device build) and, unless built on the
+        meta device, initialise and load them now."""
+        self.tie_weights()
+        self.pretrained_path = None if pretrained is None else str(pretrained)
+        if not any(p.is_meta for p in self.parameters()):
+            self.init_weights()
+            if pretrained is not None:
+                from dufu.models.hub import load_pretrained
+
+                load_pretrained(self, pretrained)
 
     def init_module(self, name: str, module: nn.Module) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -151,7 +151,7 @@ class RobertaClassificationHead(nn.Module):
 
 class _BertEncoder(InitByModule, nn.Module):
     """Embeddings and blocks shared by every BERT/RoBERTa class; subclasses add a head and call
-    ``_finish_init()`` at the end of their constructor."""
+    ``finish_init()`` at the end of their constructor."""
 
     main_input_name = "input_ids"
     # Parameters a checkpoint of the bare encoder does not have: they keep this model's own initialisation when
@@ -210,10 +210,6 @@ class _BertEncoder(InitByModule, nn.Module):
             }
         )
 
-    def _finish_init(self) -> None:
-        self.tie_weights()
-        if not any(p.is_meta for p in self.parameters()):
-            self.init_weights()
 
     # ------------------------------------------------------------------ init
     def init_module(self, name: str, module: nn.Module) -> None:
@@ -271,7 +267,7 @@ class BertModel(_BertEncoder):
     def __init__(self, *args, add_pooling_layer: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.pooler = Pooler(self.hidden_size) if add_pooling_layer else None
-        self._finish_init()
+        self.finish_init()
 
     def forward(
         self,
@@ -309,12 +305,7 @@ class BertForMaskedLM(_BertEncoder):
         # The output head: column-parallel, so under tensor parallelism the logits stay split by vocabulary
         # into the loss; its bias is BERT's per-token output bias.
         self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=True, parallel="col")
-        self._finish_init()
-
-    def tie_weights(self) -> None:
-        wte, lm_head = getattr(self, "wte", None), getattr(self, "lm_head", None)
-        if self.tie_word_embeddings and wte is not None and lm_head is not None:
-            lm_head.weight = wte.weight
+        self.finish_init()
 
     def forward(
         self,
@@ -350,7 +341,7 @@ class BertForSequenceClassification(_BertEncoder):
         super().__init__(*args, **kwargs)
         self.num_labels = num_labels
         self._build_head(num_labels, self.drop.p if classifier_dropout is None else classifier_dropout)
-        self._finish_init()
+        self.finish_init()
 
     def _build_head(self, num_labels: int, dropout: float) -> None:
         self.pooler = Pooler(self.hidden_size)

@@ -86,27 +86,9 @@ class GPTModel(InitByModule, nn.Module):
         )
         self.ln_f = LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.lm_head = Linear(hidden_size, vocab_size, bias=False, parallel="col")
-        self.tie_weights()
-        # Where the weights come from: read at once here, or shard by shard after a meta-device build.
-        self.pretrained_path = None if pretrained is None else str(pretrained)
-        if not any(p.is_meta for p in self.parameters()):
-            self.init_weights()
-            if pretrained is not None:
-                from dufu.models.hub import load_pretrained
-
-                load_pretrained(self, pretrained)
+        self.finish_init(pretrained)
 
     # ------------------------------------------------------------------ init
-    def tie_weights(self) -> None:
-        """Make the output head use the token embedding's tensor (when ``tie_word_embeddings``).
-
-        ``nn.Module.to_empty`` (meta-device build -> real device) gives every module its own new
-        tensor and so unties them; ``init_weights`` therefore ties again before initialising.
-        """
-        wte, lm_head = getattr(self, "wte", None), getattr(self, "lm_head", None)
-        if self.tie_word_embeddings and wte is not None and lm_head is not None:
-            lm_head.weight = wte.weight
-
     def init_module(self, name: str, module: nn.Module) -> None:
         """GPT-2 initialisation: N(0, 0.02), residual projections scaled by 1/sqrt(2 * num_layers)."""
         std = self.initializer_range

@@ -146,24 +146,9 @@ class LlamaModel(InitByModule, nn.Module):
         })
         self.norm = RMSNorm(hidden_size, eps=rms_norm_eps)
         self.lm_head = Linear(hidden_size, vocab_size, bias=False, parallel="col")
-        self.tie_weights()
-        # Where the weights come from: read at once here, or shard by shard after a meta-device build.
-        self.pretrained_path = None if pretrained is None else str(pretrained)
-        if not any(p.is_meta for p in self.parameters()):
-            self.init_weights()
-            if pretrained is not None:
-                from dufu.models.hub import load_pretrained
-
-                load_pretrained(self, pretrained)
+        self.finish_init(pretrained)
 
     # ------------------------------------------------------------------ init
-    def tie_weights(self) -> None:
-        """Make the head use the token embedding's tensor (when ``tie_word_embeddings``); called again after
-        ``to_empty`` (materialising a meta-device build gives every module its own tensor)."""
-        wte, lm_head = getattr(self, "wte", None), getattr(self, "lm_head", None)
-        if self.tie_word_embeddings and wte is not None and lm_head is not None:
-            lm_head.weight = wte.weight
-
     def init_module(self, name: str, module: nn.Module) -> None:
         """Every matrix and embedding N(0, initializer_range), biases 0, norm weights 1 (as Llama's
         reference initialisation); the rotary tables are recomputed (a meta build leaves them empty)."""

@@ -269,8 +269,7 @@ class SwinForImageClassification(InitByModule, nn.Module):
         self.blocks = nn.ModuleDict(blocks)
         self.norm = LayerNorm(self.num_features, eps=layer_norm_eps)
         self.classifier = Linear(self.num_features, num_labels, bias=True)  # replicated: a small head
-        if not any(p.is_meta for p in self.parameters()):
-            self.init_weights()
+        self.finish_init()
 
     def stage_of_block(self) -> list[int]:
         """The stage (0, 1, ...) of every block, in block order."""

@@ -207,9 +207,6 @@ class _T5Base(InitByModule, nn.Module):
         elif isinstance(module, nn.RMSNorm):
             nn.init.constant_(module.weight, f * 1.0)
 
-    def tie_weights(self) -> None:
-        pass
-
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.wte(input_ids)  # (B, T, C)
 
@@ -271,16 +268,7 @@ class T5ForConditionalGeneration(_T5Base):
         self.encoder = self._stack(num_layers, is_decoder=False)
         self.decoder = self._stack(self.num_decoder_layers, is_decoder=True)
         self.lm_head = Linear(d_model, vocab_size, bias=False, parallel="col") if lm_head else None
-        self.tie_weights()
-        if not any(p.is_meta for p in self.parameters()):
-            self.init_weights()
-
-    def tie_weights(self) -> None:
-        """The head uses the token embedding's tensor (``tie_word_embeddings``); re-tie after ``to_empty``.
-        A pipeline stage that holds only one of them (its own copy of the head) has nothing to tie."""
-        wte, lm_head = getattr(self, "wte", None), getattr(self, "lm_head", None)
-        if self.tie_word_embeddings and wte is not None and lm_head is not None:
-            lm_head.weight = wte.weight
+        self.finish_init()
 
     def untie_weights(self) -> None:
         """Give the head its own copy of the embedding (e.g. to load a checkpoint whose head differs)."""
@@ -446,8 +434,7 @@ class T5EncoderModel(_T5Base):
                           layer_norm_epsilon, initializer_factor)
         self.tie_word_embeddings = False
         self.encoder = self._stack(num_layers, is_decoder=False)
-        if not any(p.is_meta for p in self.parameters()):
-            self.init_weights()
+        self.finish_init()
 
     def forward(self, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> ModelOutput:
         return ModelOutput(last_hidden_state=self.encoder(self._embed(input_ids), attention_mask))

@@ -130,8 +130,7 @@ class ViTForImageClassification(InitByModule, nn.Module):
         })
         self.norm = LayerNorm(hidden_size, eps=layer_norm_eps)
         self.classifier = Linear(hidden_size, num_labels, bias=True)  # replicated: a small head
-        if not any(p.is_meta for p in self.parameters()):
-            self.init_weights()
+        self.finish_init()
 
     def init_module(self, name: str, module: nn.Module) -> None:
         """Truncated N(0, 0.02) for projections, the [CLS] token and positions; zero biases; unit norms."""
