@@ -284,7 +284,29 @@ class BertModel(_BertEncoder):
         return EncoderOutput(last_hidden_state=h, pooler_output=pooled)
 
 
-class BertForMaskedLM(_BertEncoder):
+class _BertWithHead(_BertEncoder):
+    """The encoder, then the subclass's ``head``; with ``labels``, the loss is the class's ``pipeline_loss``
+    (the same function a pipeline's last stage uses)."""
+
+    def head(self, h: torch.Tensor) -> torch.Tensor:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: Optional[torch.Tensor] = None,
+        token_type_ids: Optional[torch.Tensor] = None,
+        position_ids: Optional[torch.Tensor] = None,
+        labels: Optional[torch.Tensor] = None,
+    ):
+        h = self.head(self.encode(input_ids, attention_mask, token_type_ids, position_ids))
+        if not self.return_dict and labels is None:
+            return h
+        loss = type(self).pipeline_loss(h, labels) if labels is not None else None
+        return ModelOutput(loss=loss, logits=h)
+
+
+class BertForMaskedLM(_BertWithHead):
     """BERT with the masked-LM head; the output projection shares the token embedding (``tie_word_embeddings``).
 
     ``labels`` (B, T) hold the original token at masked positions and -100 elsewhere (see dufu.data.mlm)."""
@@ -307,29 +329,18 @@ class BertForMaskedLM(_BertEncoder):
         self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=True, parallel="col")
         self.finish_init()
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-    ):
-        h = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
-        if self.mlm_transform is not None:
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.mlm_transform is not None:  # (None on pipeline stages other than the last)
             h = self.mlm_transform(h)
         if self.lm_head is not None:
             h = self.lm_head(h)  # (B, T, V)
-        if not self.return_dict and labels is None:
-            return h
-        loss = masked_lm_loss(h, labels) if labels is not None else None
-        return ModelOutput(loss=loss, logits=h)
+        return h
 
 
 BertForMaskedLM.pipeline_loss = staticmethod(masked_lm_loss)
 
 
-class BertForSequenceClassification(_BertEncoder):
+class BertForSequenceClassification(_BertWithHead):
     """BERT with ``pooler -> dropout -> classifier``; ``labels`` (B,) class ids, or floats for regression
     (``num_labels=1``) and multi-label tasks."""
 
@@ -351,21 +362,8 @@ class BertForSequenceClassification(_BertEncoder):
     def classify(self, h: torch.Tensor) -> torch.Tensor:
         return self.classifier(self.classifier_dropout(self.pooler(h)))  # (B, num_labels)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        attention_mask: Optional[torch.Tensor] = None,
-        token_type_ids: Optional[torch.Tensor] = None,
-        position_ids: Optional[torch.Tensor] = None,
-        labels: Optional[torch.Tensor] = None,
-    ):
-        h = self.encode(input_ids, attention_mask, token_type_ids, position_ids)
-        if self.classifier is not None:
-            h = self.classify(h)
-        if not self.return_dict and labels is None:
-            return h
-        loss = sequence_classification_loss(h, labels) if labels is not None else None
-        return ModelOutput(loss=loss, logits=h)
+    def head(self, h: torch.Tensor) -> torch.Tensor:
+        return self.classify(h) if self.classifier is not None else h  # (None on stages but the last)
 
 
 BertForSequenceClassification.pipeline_loss = staticmethod(sequence_classification_loss)
