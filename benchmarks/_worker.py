@@ -99,7 +99,7 @@ def held_parameters(parts) -> dict:
 def install(recorder: MemoryRecorder) -> None:
     import atexit
 
-    import dufu.dist.launch as launch
+    import dufu.parallel.launch as launch
     from dufu.engine.trainer import Trainer
 
     init, save, finish = Trainer.__init__, Trainer.save_checkpoint, launch.finish_distributed

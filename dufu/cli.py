@@ -78,7 +78,7 @@ def cmd_train(argv: list[str]) -> int:
             LazyConfig.save(cfg, os.path.join(d, "config.yaml"))
             print(open(os.path.join(d, "config.yaml")).read())
         return 0
-    from dufu.dist.launch import finish_distributed
+    from dufu.parallel.launch import finish_distributed
     from dufu.engine.trainer import Trainer
 
     Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume).train()
@@ -90,7 +90,7 @@ def launch(args, config, overrides, cfg) -> int:
     """Check the config for the requested world size here, once, then start the workers through torchrun."""
     import subprocess
 
-    from dufu.dist.launch import torchrun_command
+    from dufu.parallel.launch import torchrun_command
     from dufu.engine.trainer import preflight
 
     nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1

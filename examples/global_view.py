@@ -21,8 +21,8 @@ import torch.distributed as torch_dist
 from torch import nn
 from torch.distributed.tensor import distribute_tensor
 
-from dufu import dist
-from dufu.dist.launch import finish_distributed
+from dufu.compat import libai as dist
+from dufu.parallel.launch import finish_distributed
 from dufu.errors import DufuError
 
 ROWS, COLS = 16, 8

@@ -23,9 +23,9 @@ from torch.distributed.tensor import DTensor
 
 from dufu.config import LazyConfig, instantiate
 from dufu.data import ResumableBatchSampler, collate
-from dufu.dist import ParallelDims
-from dufu.dist.launch import init_distributed
-from dufu.engine import env
+from dufu.parallel.parallel_dims import ParallelDims
+from dufu.parallel.launch import init_distributed
+from dufu.parallel import env
 from dufu.engine.checkpoint import Checkpointer
 from dufu.engine.flops import count_matmul_params, device_peak_flops, flops_per_token
 from dufu.engine.generate import generate

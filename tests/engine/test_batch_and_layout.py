@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from dufu.dist import ParallelDims
+from dufu.parallel.parallel_dims import ParallelDims
 from dufu.engine.validate import resolve_batch_sizes
 from dufu.errors import ConfigError, DufuError, LayoutError
 

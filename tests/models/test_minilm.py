@@ -36,7 +36,7 @@ def _tp_worker(workdir: str) -> None:
     import torch.distributed as dist
 
     import dufu
-    from dufu.dist import ParallelDims
+    from dufu.parallel.parallel_dims import ParallelDims
     from dufu.parallel import parallelize
 
     torch.set_num_threads(1)

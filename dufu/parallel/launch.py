@@ -9,7 +9,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from dufu.engine import env
+from dufu.parallel import env
 
 
 def init_distributed(device: torch.device, timeout_minutes: float = 10.0) -> None:

@@ -1,6 +1,6 @@
 """Multi-process checks of the global-view helpers under pipeline parallelism (run by test_global_view.py).
 
-    torchrun --nproc-per-node 2 tests/dist/global_view_worker.py
+    torchrun --nproc-per-node 2 tests/compat/global_view_worker.py
 
 Every rank records what it sees; rank 0 prints one JSON list (one dict per rank, in rank order).
 """
@@ -12,8 +12,8 @@ import json
 import torch
 import torch.distributed as torch_dist
 
-from dufu import dist
-from dufu.dist.launch import finish_distributed
+from dufu.compat import libai as dist
+from dufu.parallel.launch import finish_distributed
 from dufu.errors import DufuError, LayoutError
 
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
-from dufu.dist import ParallelDims
+from dufu.parallel.parallel_dims import ParallelDims
 from dufu.engine.trainer import preflight
 from dufu.errors import LayoutError
 from dufu.parallel.checks import validate_layout

@@ -18,8 +18,8 @@ import torch
 import torch.distributed as torch_dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from dufu import dist
-from dufu.dist.global_view import layer_pipeline_rank
+from dufu.compat import libai as dist
+from dufu.compat.libai import layer_pipeline_rank
 from dufu.errors import DufuError, LayoutError
 from dufu_testing import REPO
 
@@ -38,7 +38,7 @@ def launches():
     collects its own: ``launches("example")`` -> stdout."""
     procs = {
         "example": start_torchrun(REPO / "examples" / "global_view.py", nproc=4),
-        "pipeline": start_torchrun(REPO / "tests" / "dist" / "global_view_worker.py", nproc=2),
+        "pipeline": start_torchrun(REPO / "tests" / "compat" / "global_view_worker.py", nproc=2),
     }
     results = {}
 
@@ -134,7 +134,7 @@ def test_setup_rejects_a_bad_layout_before_starting_anything():
 
 
 def test_module_functions_need_setup():
-    with pytest.raises(DufuError, match=r"call dufu.dist.setup\(...\) first"):
+    with pytest.raises(DufuError, match=r"call dufu.compat.libai.setup\(...\) first"):
         dist.get_layer_placement(0)
     with pytest.raises(DufuError, match="no distributed context"):
         dist.to_global(torch.ones(2), sbp=dist.broadcast)

@@ -20,7 +20,7 @@ LiBai / OneFlow                        here (torch)
 =====================================  ==================================================
 
 ``setup()`` starts (or joins) the process group, validates the layout with
-:class:`~dufu.dist.ParallelDims` and builds the 3-D mesh ("pipeline", "data",
+:class:`~dufu.parallel.parallel_dims.ParallelDims` and builds the 3-D mesh ("pipeline", "data",
 "tensor") in LiBai's rank order. It returns a :class:`DistContext`, which holds
 all of this state and offers every helper as a method. The module-level
 functions delegate to the context most recently returned by ``setup()``: that
@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
 
-from dufu.dist.parallel_dims import ParallelDims
+from dufu.parallel.parallel_dims import ParallelDims
 from dufu.errors import DufuError, LayoutError
 
 __all__ = [
@@ -281,7 +281,7 @@ class DistContext:
     def close(self) -> None:
         """Forget this context; destroy the process group if ``setup()`` created a single-process one.
 
-        A multi-process group is left to the launcher's end of run (``dufu.dist.launch.finish_distributed``):
+        A multi-process group is left to the launcher's end of run (``dufu.parallel.launch.finish_distributed``):
         tearing gloo down while peers still exit was seen to abort a rank.
         """
         if self._closed:
@@ -300,7 +300,7 @@ class DistContext:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise DufuError("this DistContext was closed; call dufu.dist.setup(...) again for a new one.")
+            raise DufuError("this DistContext was closed; call dufu.compat.libai.setup(...) again for a new one.")
 
     def __repr__(self) -> str:
         return f"DistContext({self._dims.describe()}, rank {self.rank}, device {self._device})"
@@ -330,7 +330,7 @@ def get_nd_sbp_for(sbp_list, ndim: int, axes: Sequence[str]) -> tuple[Placement,
     for p in sbp_list:
         if not isinstance(p, Placement):
             raise LayoutError(
-                f"{p!r} is not an SBP: use dufu.dist.split(dim), broadcast or partial_sum "
+                f"{p!r} is not an SBP: use dufu.compat.libai.split(dim), broadcast or partial_sum "
                 "(or torch's Shard / Replicate / Partial)."
             )
     return tuple(sbp_list)
@@ -410,8 +410,8 @@ def setup(
     else:
         virtual, custom = 1, None
 
-    from dufu.dist.launch import init_distributed
-    from dufu.engine import env
+    from dufu.parallel.launch import init_distributed
+    from dufu.parallel import env
 
     _, local_rank, world_size = env.world_info()
     if dist.is_initialized():
@@ -450,8 +450,8 @@ def current_context() -> DistContext:
     ctx = _CURRENT["context"]
     if ctx is None:
         raise DufuError(
-            "no distributed context: call dufu.dist.setup(...) first (e.g. "
-            "dufu.dist.setup(data_parallel_size=2, tensor_parallel_size=2) under torchrun), then use "
+            "no distributed context: call dufu.compat.libai.setup(...) first (e.g. "
+            "dufu.compat.libai.setup(data_parallel_size=2, tensor_parallel_size=2) under torchrun), then use "
             "get_layer_placement / get_nd_sbp / to_global."
         )
     return ctx
