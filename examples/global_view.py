@@ -52,7 +52,8 @@ def main() -> int:
     sbp = dist.get_nd_sbp([dist.split(0), dist.split(1)])
 
     # The same full tensor on every rank; distribute_tensor keeps only this rank's (8, 4) block.
-    full_x = torch.arange(ROWS * COLS, dtype=torch.float32).reshape(ROWS, COLS)
+    # Made on this rank's device (ctx.device: cuda:<local rank> under NCCL), where its collectives run.
+    full_x = torch.arange(ROWS * COLS, dtype=torch.float32, device=ctx.device).reshape(ROWS, COLS)
     x = distribute_tensor(full_x, placement, sbp)
 
     model = AddNoise(placement, sbp, ctx.rank)

@@ -3,7 +3,8 @@
 LiBai describes every tensor by a *placement* (the grid of ranks that holds
 it) and an *SBP* per grid axis (split, broadcast or partial-sum). PyTorch has
 the same two ideas natively, so this module is a thin dictionary between the
-two vocabularies, not a second implementation:
+two vocabularies, not a second implementation (the vocabulary itself, which needs no process group,
+is in :mod:`dufu.compat.sbp`; this module re-exports it next to ``setup()`` and ``DistContext``):
 
 =====================================  ==================================================
 LiBai / OneFlow                        here (torch)
@@ -45,10 +46,20 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard
+from torch.distributed.tensor import DTensor, Placement, Replicate
 
-from dufu.parallel.parallel_dims import ParallelDims
+from dufu.compat.sbp import (
+    STAGE_AXES,
+    describe_mesh,
+    placements_for,
+    broadcast,
+    get_nd_sbp_for,
+    layer_pipeline_rank,
+    partial_sum,
+    split,
+)
 from dufu.errors import DufuError, LayoutError
+from dufu.parallel.parallel_dims import ParallelDims
 
 __all__ = [
     "DistContext",
@@ -62,55 +73,6 @@ __all__ = [
     "to_global",
     "to_local",
 ]
-
-STAGE_AXES = ("data", "tensor")
-
-
-# ------------------------------------------------------------------ SBP names
-
-
-def split(dim: int) -> Shard:
-    """LiBai's ``split(dim)``: each rank along the mesh axis holds one slice of tensor dim ``dim``."""
-    if not isinstance(dim, int) or isinstance(dim, bool):
-        raise TypeError(f"split(dim) takes a tensor dim (an int), got {dim!r}")
-    return Shard(dim)
-
-
-#: LiBai's ``broadcast``: every rank along the mesh axis holds the whole tensor.
-broadcast: Replicate = Replicate()
-#: LiBai's ``partial_sum``: every rank holds a summand; the tensor is their sum.
-partial_sum: Partial = Partial("sum")
-
-
-# ------------------------------------------------------------- stage mapping
-
-
-def layer_pipeline_rank(
-    layer_idx: int,
-    num_layers: int,
-    pipeline_parallel_size: int,
-    virtual_pipeline_size: int = 1,
-    custom_pipeline_stage_id: Optional[Sequence[int]] = None,
-) -> int:
-    """The pipeline rank (index along the "pipeline" mesh axis) that holds layer ``layer_idx``.
-
-    Layers go to stages as the trainer places them (``dufu.parallel.pipeline.layer_stage_ids``):
-    equal consecutive runs, or ``custom_pipeline_stage_id``. With ``virtual_pipeline_size`` v there
-    are pp x v stages and stage s lives on pipeline rank s % pp. ``layer_idx`` may be negative
-    (-1 = the last layer), as in LiBai.
-    """
-    from dufu.parallel.pipeline import layer_stage_ids
-
-    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
-        raise TypeError(f"layer_idx must be an int, got {layer_idx!r}")
-    if not -num_layers <= layer_idx < num_layers:
-        raise LayoutError(
-            f"layer_idx {layer_idx} is out of range for pipeline_num_layers {num_layers}: use 0..{num_layers - 1}, "
-            "or -1 for the last layer."
-        )
-    stages = pipeline_parallel_size * virtual_pipeline_size
-    stage_ids = layer_stage_ids(num_layers, stages, custom_pipeline_stage_id)
-    return stage_ids[layer_idx] % pipeline_parallel_size
 
 
 # ------------------------------------------------------------------ context
@@ -251,14 +213,14 @@ class DistContext:
             mesh = tensor.device_mesh
             if placement is not None and placement != mesh:
                 raise LayoutError(
-                    f"to_global cannot move a tensor from {_describe_mesh(mesh)} to {_describe_mesh(placement)}: a "
+                    f"to_global cannot move a tensor from {describe_mesh(mesh)} to {describe_mesh(placement)}: a "
                     "DTensor is redistributed within its own mesh only. Between pipeline stages, activations "
                     "travel through the pipeline schedule (dufu.parallel.pipeline); to change only the SBP, "
                     "call to_global(tensor, sbp=...) without a placement."
                 )
             if sbp is None:
                 return tensor
-            return tensor.redistribute(mesh, _placements(sbp, mesh, tensor.ndim))
+            return tensor.redistribute(mesh, placements_for(sbp, mesh, tensor.ndim))
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"to_global takes a torch.Tensor or DTensor, got {type(tensor).__name__}")
         if sbp is None:
@@ -267,7 +229,12 @@ class DistContext:
                 "sbp=get_nd_sbp([split(0), broadcast])."
             )
         mesh = placement if placement is not None else self.stage_mesh
-        placements = _placements(sbp, mesh, tensor.ndim)
+        placements = placements_for(sbp, mesh, tensor.ndim)
+        if tensor.device != self._device and not tensor.is_meta:
+            # The local component joins collectives over the mesh (run_check's broadcast, any later
+            # redistribute): it must be on this rank's device, e.g. cuda:<local rank> under NCCL, not on
+            # whichever CUDA device happens to be current or on the CPU it was created on.
+            tensor = tensor.to(self._device)
         # from_local's run_check broadcasts the first rank's data along Replicate axes (OneFlow's behaviour).
         run_check = any(isinstance(p, Replicate) for p in placements)
         return DTensor.from_local(tensor, mesh, placements, run_check=run_check, shape=shape)
@@ -305,52 +272,6 @@ class DistContext:
     def __repr__(self) -> str:
         return f"DistContext({self._dims.describe()}, rank {self.rank}, device {self._device})"
 
-
-# ------------------------------------------------------------------ helpers
-
-
-def _describe_mesh(mesh) -> str:
-    names = getattr(mesh, "mesh_dim_names", None)
-    ranks = mesh.mesh.tolist() if hasattr(mesh, "mesh") else mesh
-    return f"the mesh {ranks}" + (f" (axes {', '.join(names)})" if names else "")
-
-
-def get_nd_sbp_for(sbp_list, ndim: int, axes: Sequence[str]) -> tuple[Placement, ...]:
-    """Check ``sbp_list`` (one placement per mesh axis) and return it as a tuple."""
-    if isinstance(sbp_list, Placement) or not isinstance(sbp_list, Sequence):
-        raise LayoutError(
-            f"get_nd_sbp takes a list with one SBP per mesh axis ({', '.join(axes)}), e.g. "
-            f"get_nd_sbp([split(0), broadcast]); got {sbp_list!r}."
-        )
-    if len(sbp_list) != ndim:
-        raise LayoutError(
-            f"get_nd_sbp got {len(sbp_list)} SBP(s) but a layer's placement has {ndim} axes ({', '.join(axes)}); "
-            f"give one per axis, e.g. get_nd_sbp([split(0), broadcast])."
-        )
-    for p in sbp_list:
-        if not isinstance(p, Placement):
-            raise LayoutError(
-                f"{p!r} is not an SBP: use dufu.compat.libai.split(dim), broadcast or partial_sum "
-                "(or torch's Shard / Replicate / Partial)."
-            )
-    return tuple(sbp_list)
-
-
-def _placements(sbp, mesh, tensor_ndim: int) -> tuple[Placement, ...]:
-    axes = mesh.mesh_dim_names or tuple(f"axis {i}" for i in range(mesh.ndim))
-    if isinstance(sbp, Placement):
-        if isinstance(sbp, Shard) and mesh.ndim > 1:
-            raise LayoutError(
-                f"sbp={sbp} is ambiguous on {_describe_mesh(mesh)}: give one SBP per mesh axis, e.g. "
-                f"get_nd_sbp([split({sbp.dim}), broadcast]) to split over the first axis only."
-            )
-        placements = (sbp,) * mesh.ndim
-    else:
-        placements = get_nd_sbp_for(sbp, mesh.ndim, axes)
-    for p in placements:
-        if isinstance(p, Shard) and not -tensor_ndim <= p.dim < tensor_ndim:
-            raise LayoutError(f"sbp split({p.dim}) is out of range for a tensor with {tensor_ndim} dim(s).")
-    return placements
 
 
 # ------------------------------------------------------------------ setup
@@ -431,9 +352,10 @@ def setup(
             # One process: DeviceMesh still needs a process group. An in-memory store needs no port and
             # no file, so it cannot collide with anything else on the machine.
             dist.init_process_group(
-                backend="nccl" if device.type == "cuda" else "gloo",
+                backend=env.pick_backend(device),
                 store=dist.HashStore(), rank=0, world_size=1,
                 timeout=datetime.timedelta(minutes=10),
+                device_id=device if device.type == "cuda" else None,
             )
             owns = True
     mesh = dims.build_mesh(device.type)

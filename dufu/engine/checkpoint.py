@@ -208,12 +208,22 @@ class Checkpointer:
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
             if self.async_save:
                 future = dcp.async_save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp),
-                                        process_group=self.async_group)
+                                        process_group=self._background_group())
                 self._pending = (future, tmp, final, meta)
                 return final
             dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
         self._commit(tmp, final, meta)
         return final
+
+    def _background_group(self):
+        """The group asynchronous saves coordinate on: ``async_group``, else one made here on first use.
+
+        It must be gloo: DCP stages the shards in host memory and refuses a group without a CPU backend
+        (NCCL), and the default group is busy with the training thread's collectives. Every rank saves at
+        the same step, so creating the group here is collective like any other."""
+        if self.async_group is None and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            self.async_group = dist.new_group(backend="gloo")
+        return self.async_group
 
     def wait(self) -> Optional[Path]:
         """Finish and commit a pending asynchronous save (a no-op if there is none)."""
@@ -301,7 +311,11 @@ class Checkpointer:
             manifest, error = self.verify(path, share=(rank, world)), ""
         except CheckpointError as e:
             manifest, error = None, str(e)
+        except Exception as e:  # e.g. an unreadable file: a rank that left now would hang the others' gather
+            manifest, error = None, f"checkpoint {path} cannot be verified on rank {rank}: {type(e).__name__}: {e}"
         errors = [None] * world
+        # An object collective: torch stages the pickles on the device the default group's backend takes
+        # (this rank's CUDA device under NCCL, set by init_distributed), so no tensor is placed here.
         dist.all_gather_object(errors, error)
         found = next((e for e in errors if e), None)
         if found:

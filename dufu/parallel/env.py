@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.distributed as dist
 
 
 def world_info() -> tuple[int, int, int]:
@@ -24,4 +25,18 @@ def pick_device(local_rank: int = 0) -> torch.device:
 
 
 def pick_backend(device: torch.device) -> str:
+    """The process-group backend for ``device``: NCCL moves CUDA tensors only, gloo CPU tensors."""
     return "nccl" if device.type == "cuda" else "gloo"
+
+
+def collective_device(group=None) -> torch.device:
+    """The device a tensor must live on to be reduced over ``group`` (the default group if None).
+
+    For code that has no tensor of its own to take the device from (a rank with nothing to report
+    still has to join the collective): NCCL takes tensors on this rank's current CUDA device only,
+    gloo takes CPU tensors (and is what a single process without a process group falls back to)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return torch.device("cpu")
+    if "nccl" in str(dist.get_backend(group)):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")

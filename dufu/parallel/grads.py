@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dufu.parallel import env
+
 
 def tied_parameters(modules) -> tuple[list, list]:
     """(copies, all tied) parameters of pipeline stage modules, looked up by name *after* parallelization
@@ -49,8 +51,12 @@ def total_grad_norm(parameters, pp_group=None, skip=()) -> torch.Tensor:
         g = p.grad
         key = (id(g.device_mesh), g.placements) if isinstance(g, DTensor) else ("local", g.device)
         groups.setdefault(key, []).append(g)
-    device = params[0].grad.device if params else torch.device("cpu")
-    sq = torch.zeros((), dtype=torch.float32, device=device if device.type != "meta" else "cpu")
+    device = params[0].grad.device if params else None
+    if device is None or device.type == "meta":
+        # No real gradient to take the device from (a stage whose parameters got none): the sum still has
+        # to join the reductions below, so it lives where the pipeline group reduces (CUDA under NCCL).
+        device = env.collective_device(pp_group)
+    sq = torch.zeros((), dtype=torch.float32, device=device)
     for key, grads in groups.items():
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0, foreach=None)
         if isinstance(norm, DTensor):
