@@ -91,7 +91,7 @@ def launch(args, config, overrides, cfg) -> int:
     import subprocess
 
     from dufu.parallel.launch import torchrun_command
-    from dufu.engine.trainer import preflight
+    from dufu.engine.preflight import preflight
 
     nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
     preflight(cfg, world_size=args.nproc * nnodes,

@@ -10,6 +10,9 @@
 
 A rank of ``*`` means every rank. Faults fire only in the first attempt of an elastic job
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted job runs clean.
+
+The trainer's faults come in through :func:`install`, which wraps one Trainer's methods: the training loop
+and its step carry no test code.
 """
 
 from __future__ import annotations
@@ -50,3 +53,31 @@ def in_save(step: int) -> None:
         if parent:
             os.kill(parent, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def install(trainer) -> None:
+    """Make ``trainer`` fire the training faults ``DUFU_FAULT`` names: ``exit`` and ``hang`` as a step starts,
+    ``nan`` after the step's backward (the first gradient and the loss become NaN on that rank only, after
+    any gradient reduction, as a local overflow would). Wraps this object's ``train_step`` and
+    ``forward_backward``; nothing happens without ``DUFU_FAULT``."""
+    if not any(kind in ("exit", "hang", "nan") for kind, _, _ in _faults()):
+        return
+    train_step, forward_backward = trainer.train_step, trainer.forward_backward
+
+    def train_step_with_faults(micro_batches):
+        at_step_start(trainer.step + 1)
+        return train_step(micro_batches)
+
+    def forward_backward_with_faults(micro_batches):
+        local_loss = forward_backward(micro_batches)
+        if should_fire("nan", trainer.step + 1):
+            for part in trainer.model_parts:
+                for p in part.parameters():
+                    if p.grad is not None:
+                        p.grad.fill_(float("nan"))
+                        break
+            local_loss = local_loss * float("nan")
+        return local_loss
+
+    trainer.train_step = train_step_with_faults
+    trainer.forward_backward = forward_backward_with_faults

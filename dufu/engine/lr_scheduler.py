@@ -42,3 +42,15 @@ class WarmupConstantLR(LambdaLR):
         if it < self.warmup_iter:
             return self.warmup_factor + (1.0 - self.warmup_factor) * it / self.warmup_iter
         return 1.0
+
+
+def fit_warmup_to_run(scheduler: dict, train_iter: int) -> tuple[dict, str | None]:
+    """``scheduler`` (a LazyCall node) with its warm-up clamped to the run, and a one-line notice when it was
+    longer: a quick try of a recipe (``dufu train train.train_iter=20``) should run, not fail on a warm-up
+    sized for the full run. The config itself keeps the value it was given."""
+    warmup = scheduler.get("warmup_iter")
+    if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup <= train_iter:
+        return scheduler, None
+    scheduler["warmup_iter"] = train_iter
+    return scheduler, (f"train.scheduler.warmup_iter={warmup} is longer than the run (train.train_iter="
+                       f"{train_iter}): the warm-up takes all {train_iter} steps")

@@ -55,12 +55,6 @@ def validate_config(cfg) -> None:
     _positive_int(t.log_period, "train.log_period")
     _positive_int(t.checkpointer.period, "train.checkpointer.period", allow_zero=True)
     _positive_int(t.evaluation.eval_period, "train.evaluation.eval_period")
-    warmup = t.get("scheduler", {}).get("warmup_iter") if isinstance(t.get("scheduler"), dict) else None
-    if isinstance(warmup, int) and not isinstance(warmup, bool) and warmup > t.train_iter:
-        raise ConfigError(
-            f"train.scheduler.warmup_iter = {warmup} is longer than the run (train.train_iter = {t.train_iter}). "
-            f"Lower it, e.g. train.scheduler.warmup_iter={t.train_iter // 10}, or raise train.train_iter."
-        )
     _positive_int(t.get("stop_at_iter"), "train.stop_at_iter", allow_none=True)
     minutes = t.get("stop_after_minutes")
     if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0):

@@ -1,0 +1,169 @@
+"""The start-up path of a run, shared by ``dufu train --nproc`` (before any worker starts) and the Trainer.
+
+:func:`plan_run` is the one place that checks the config, does the batch arithmetic, decides what to resume
+from, builds the data and the model on the meta device and checks the layout against that model. The
+launcher runs it once so that a bad config fails once, readably; every worker runs the same function, so
+the two can never disagree about what a config means.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import nn
+
+from dufu.config import instantiate
+from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.lr_scheduler import fit_warmup_to_run
+from dufu.engine.validate import resolve_batch_sizes, validate_config
+from dufu.errors import ConfigError, DufuError, LayoutError
+# The one import of pretrained-loading helpers in the engine's run path.
+from dufu.engine.pretrained import check_pretrained, pretrained_source
+from dufu.parallel.checks import validate_layout
+from dufu.parallel.parallel_dims import ParallelDims
+
+
+@dataclass
+class Pretrained:
+    """Where ``model.pretrained`` weights come in. ``source``: a Hugging Face directory, read into each part as
+    it is materialized. ``checkpoint``: a dufu run, which all ranks read together through DCP once the parts
+    exist. Both None: no pretrained weights, or a resumed run (its checkpoint replaces every weight)."""
+
+    path: Optional[str] = None
+    source: Optional[Callable] = None
+    checkpoint: Optional[Path] = None
+
+
+@dataclass
+class RunPlan:
+    """Everything a run is built from that needs no process group; the model is on the meta device."""
+
+    dims: ParallelDims
+    batch_sizes: tuple[int, int, int]  # (micro, global, accumulation steps)
+    resume_from: Optional[Path]
+    tokenizer: object
+    train_ds: object
+    valid_ds: object
+    seq_length: int
+    model: nn.Module
+    stage_ids: Optional[list[int]]  # the pipeline stage of every layer; None without pipeline parallelism
+    pretrained: Pretrained
+    scheduler: dict  # train.scheduler with max_iter and a warm-up that fits the run (the optimizer unset)
+    notices: list[str] = field(default_factory=list)  # one line each, shown in the start-up summary
+
+
+def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
+    """``resume``: False (a new run; output_dir must not hold one), True (the latest complete checkpoint, which
+    must exist), or "auto" (the latest if there is one: elastic restarts)."""
+    validate_config(cfg)
+    t = cfg.train
+    dims = ParallelDims.from_config(t.dist, world_size)
+    batch_sizes = resolve_batch_sizes(t.train_micro_batch_size, t.global_batch_size, t.num_accumulation_steps,
+                                      dims.data_parallel_size)
+    resume_from = resume_checkpoint(Path(t.output_dir), resume)
+    torch.manual_seed(t.seed)
+    tokenizer = instantiate(cfg.tokenization.tokenizer)
+    train_ds, valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # fills the data cache
+    check_validation_set(cfg, valid_ds, batch_sizes[1])
+    seq_length = getattr(train_ds, "seq_length", None) or train_ds[0].shape[0] - 1
+    # Shapes only: each rank allocates just what it holds after splitting and sharding.
+    with torch.device("meta"):
+        model = build_model(cfg, tokenizer, seq_length)
+    stage_ids = validate_layout(dims, model, t.dist, t.zero_optimization, seq_length, batch_sizes[2])
+    if stage_ids is not None and getattr(type(model), "pipeline_loss", None) is None:
+        raise LayoutError(
+            f"{type(model).__name__} defines no `pipeline_loss`, the loss a pipeline's last stage computes from "
+            "its output and the labels. Use a model with a task head (e.g. a *ForMaskedLM or *ForSequence"
+            "Classification class), or pipeline_parallel_size=1."
+        )
+    scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
+    return RunPlan(dims, batch_sizes, resume_from, tokenizer, train_ds, valid_ds, seq_length, model, stage_ids,
+                   pretrained_weights(model, resume_from), scheduler, [notice] if notice else [])
+
+
+def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
+    """Every start-up check that needs no process group, for ``world_size`` processes: run by
+    ``dufu train --nproc`` before it starts any worker, so a bad config fails once, readably."""
+    plan = plan_run(cfg, world_size, resume)
+    if resume is True:
+        # Verify the checkpoint here, once, before any worker starts: a damaged file is then one clear error.
+        Checkpointer(plan.resume_from.parent).verify(plan.resume_from)
+
+
+def pretrained_weights(model: nn.Module, resume_from: Optional[Path]) -> Pretrained:
+    """Check ``model.pretrained`` (the path and the sizes; nothing is read) and say how it will be loaded."""
+    path = getattr(model, "pretrained_path", None)
+    if path is None or resume_from is not None:
+        return Pretrained(path)
+    *_, checkpoint = check_pretrained(model, path)
+    if checkpoint is not None:
+        return Pretrained(path, checkpoint=checkpoint)
+    return Pretrained(path, source=lambda part: pretrained_source(part, path))
+
+
+def with_kwargs(node, **kwargs):
+    """A copy of a LazyCall node with some keyword arguments filled in by the trainer (never saved)."""
+    node = copy.deepcopy(node)
+    for k, v in kwargs.items():
+        node[k] = v
+    return node
+
+
+def check_validation_set(cfg, valid_ds, global_batch_size: int) -> None:
+    """Evaluation runs whole global batches; refuse, before anything is written, a set smaller than one."""
+    if not cfg.train.evaluation.enabled or valid_ds is None:
+        return
+    if len(valid_ds) < global_batch_size:
+        raise ConfigError(
+            f"the validation set has {len(valid_ds)} samples, fewer than one global batch ({global_batch_size}), "
+            "and evaluation runs whole global batches. Raise dataloader.train.valid_fraction, lower "
+            "train.global_batch_size, or set train.evaluation.enabled=False."
+        )
+
+
+def build_model(cfg, tokenizer, seq_length: int) -> nn.Module:
+    """Instantiate ``cfg.model`` and check it fits the tokenizer and the data's sequence length."""
+    try:
+        model = instantiate(cfg.model)
+    except (ValueError, TypeError) as e:
+        if isinstance(e, DufuError):
+            raise
+        raise ConfigError(f"the model cannot be built from model.*: {e}. Fix those keys in the config.") from None
+    vocab = getattr(model, "vocab_size", None)
+    if vocab is not None and tokenizer.vocab_size > vocab:
+        raise ConfigError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab}. "
+            f"Set model.vocab_size={tokenizer.vocab_size} or more (a multiple of 128 is fastest)."
+        )
+    max_pos = getattr(model, "max_position_embeddings", None)
+    if max_pos is not None and seq_length > max_pos:
+        raise ConfigError(
+            f"the data's sequence length {seq_length} exceeds model.max_position_embeddings {max_pos}; "
+            "lower dataloader.train.seq_length or raise model.max_position_embeddings."
+        )
+    return model
+
+
+def resume_checkpoint(output_dir: Path, resume: bool | str) -> Optional[Path]:
+    """The checkpoint a run continues from (see :func:`plan_run`), or None for a new run."""
+    latest = Checkpointer(output_dir / "checkpoints").latest()
+    if resume == "auto":
+        return latest
+    if resume:
+        if latest is None:
+            raise DufuError(
+                f"--resume was given but {output_dir / 'checkpoints'} holds no complete checkpoint. "
+                "Check train.output_dir, or start the run without --resume."
+            )
+        return latest
+    if latest is not None or (output_dir / "metrics.jsonl").exists():
+        raise DufuError(
+            f"train.output_dir '{output_dir}' already holds a run"
+            f"{f' (latest checkpoint {latest.name})' if latest else ''}. Nothing was changed. To continue it, add "
+            "--resume; to start a new run, choose another directory (train.output_dir=...) or delete this one."
+        )
+    return None

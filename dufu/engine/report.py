@@ -1,0 +1,178 @@
+"""What a run tells people: the start-up summary, the records and progress lines while it trains, and the end
+summary. Rank 0 writes and prints; the other ranks keep the same counters and stay silent."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+from torch.distributed.tensor import DTensor
+
+from dufu.engine.flops import count_matmul_params, flops_per_token
+from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
+
+
+def model_flops_per_token(model, seq_length: int) -> float:
+    """The model FLOPs of one trained token (6N + 12*L*H*T), for MFU."""
+    attention_layers = getattr(model, "attention_layers", getattr(model, "num_layers", 0))  # T5: enc + dec
+    return flops_per_token(count_matmul_params(model), attention_layers, getattr(model, "hidden_size", 0), seq_length)
+
+
+def describe(trainer) -> str:
+    """The start-up summary: model, layout, batch arithmetic, data, MFU basis, weights, output, notices."""
+    t = trainer.cfg.train
+    amp = f"{t.amp.dtype} autocast" if t.amp.enabled else "fp32"
+    zero = f", ZeRO stage {t.zero_optimization.stage}" if t.zero_optimization.enabled else ""
+    extras = []
+    if t.dist.get("sequence_parallel"):
+        extras.append("sequence parallel")
+    if trainer.schedule is not None:
+        extras.append(f"{t.dist.get('pipeline_schedule')} schedule")
+    if t.activation_checkpoint.enabled:
+        extras.append("activation checkpointing")
+    valid = len(trainer.valid_ds) if trainer.valid_ds is not None else 0
+    return "\n".join([
+        f"dufu: {trainer.model_name} with {trainer.num_parameters / 1e6:.2f}M parameters on "
+        f"{trainer.device.type} ({amp})",
+        f"  layout       {trainer.dims.describe()}{zero}{'; ' + ', '.join(extras) if extras else ''}",
+        f"  batch        global {trainer.global_batch_size} = micro {trainer.micro_batch_size} x dp "
+        f"{trainer.dims.data_parallel_size} x accumulation {trainer.num_accumulation_steps}; "
+        f"{trainer.tokens_per_step:,} tokens/step",
+        f"  data         {len(trainer.train_ds):,} training samples, {valid:,} validation samples; tokenizer vocab "
+        f"{trainer.tokenizer.vocab_size:,}",
+        f"  MFU          {trainer.flops_per_token / 1e6:,.1f} MFLOP/token (6N + 12*L*H*T); peak {trainer.peak_source}",
+        weights_line(trainer),
+        f"  output       {trainer.output_dir}",
+        *(f"  notice       {n}" for n in trainer.notices),
+    ])
+
+
+def weights_line(trainer) -> str:
+    """Where the weights come from and how much of the model this rank holds (people read it on rank 0)."""
+    if trainer.resume_from is not None:
+        source = f"from checkpoint {trainer.resume_from.name}"
+    elif trainer.pretrained.path is not None:
+        source = f"pretrained, {trainer.pretrained.path}"
+    else:
+        source = f"random init (seed {trainer.cfg.train.seed})"
+    held = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
+               for p in {id(p): p for part in trainer.model_parts for p in part.parameters()}.values())
+    build = "built on the meta device" if trainer.meta_init else "built in full on every rank"
+    return f"  weights      {source}; {build}, rank {trainer.rank} holds {held / 1e6:.2f}M parameters"
+
+
+def evaluation_line(step: int, ev: dict) -> str:
+    acc = f", accuracy {100 * ev['eval_accuracy']:.1f}%" if "eval_accuracy" in ev else ""
+    return f"step {step}: validation loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.1f}{acc}"
+
+
+class RunLog:
+    """The records (metrics.jsonl, TensorBoard) and lines of a run in progress, and its end summary."""
+
+    def __init__(self, trainer):
+        t = trainer.cfg.train
+        self.trainer, self.train_iter, self.log_period = trainer, t.train_iter, t.log_period
+        self.writer = MetricsWriter(trainer.output_dir, tensorboard=t.get("tensorboard", True),
+                                    resume_step=trainer.step if trainer.resume_from else None) \
+            if trainer.is_main else None
+        self.bar = None
+
+    def start(self) -> None:
+        """The progress bar and the clocks of throughput and train.stop_after_minutes start here."""
+        self.bar = ProgressBar(self.train_iter, initial=self.trainer.step, enabled=self.trainer.is_main)
+        self.start_step, self.window_steps, self.mfus = self.trainer.step, 0, []
+        self.t_start = self.t_last = time.perf_counter()
+
+    def step(self, loss: float, grad_norm: float) -> None:
+        """Count a finished step; every train.log_period steps (and at the last) write a record."""
+        tr, step = self.trainer, self.trainer.step
+        self.window_steps += 1
+        if step % self.log_period == 0 or step == self.train_iter:
+            now = time.perf_counter()
+            tokens_per_s = tr.tokens_per_step * self.window_steps / (now - self.t_last)
+            mfu = tr.flops_per_token * tokens_per_s / (tr.peak_flops * tr.world_size)
+            self.mfus.append(mfu)
+            record = {
+                "step": step, "loss": loss, "lr": tr.last_lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
+                "mfu": mfu, "step_time_s": (now - self.t_last) / self.window_steps,
+                "consumed_samples": tr.sampler.state_dict()["consumed_samples"],
+            }
+            if tr.skipped_steps:
+                record["skipped_steps"] = tr.skipped_steps
+            if tr.scaler is not None:
+                record["loss_scale"] = tr.scaler.scale
+                record["skipped_steps"] = tr.scaler.skipped_steps
+            self.writer and self.writer.write(record)
+            self.t_last, self.window_steps = now, 0
+            self.bar.update(0, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", **{"tok/s": f"{tokens_per_s:,.0f}"},
+                            mfu=f"{100 * mfu:.1f}%")
+        self.bar.update(1)
+
+    def evaluation(self, ev: dict) -> None:
+        step = self.trainer.step
+        self.writer and self.writer.write({"step": step, **ev})
+        (self.bar.write if self.bar is not None else self.trainer.log)(evaluation_line(step, ev))
+
+    def checkpoint(self, path) -> None:
+        saving = "saving" if self.trainer.checkpointer.async_save else "saved"
+        self.bar.write(f"step {self.trainer.step}: {saving} checkpoint {path}")
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def finish(self, stop_reason, samples: Callable[[], list]) -> dict:
+        """Close the bar, say why the run stopped early (if it did), and return the end summary; rank 0 also
+        prints it and draws loss.png. ``samples()``: generated text, which every rank takes part in."""
+        tr = self.trainer
+        self.close()
+        if stop_reason:
+            tr.log(f"stopped at step {tr.step} of {self.train_iter}: {stop_reason}. The checkpoint is complete; "
+                   f"continue with: dufu train {tr.output_dir / 'config.yaml'} --resume")
+        elapsed = time.perf_counter() - self.t_start
+        summary = {"steps": tr.step - self.start_step, "seconds": elapsed, "final_step": tr.step}
+        texts = samples()
+        if not tr.is_main:
+            return summary
+        self.writer.close()
+        records = read_metrics(tr.output_dir / "metrics.jsonl")
+        train_recs = [r for r in records if "loss" in r]
+        evals = [r for r in records if "eval_loss" in r]
+        summary.update(
+            final_loss=train_recs[-1]["loss"] if train_recs else None,
+            mean_tokens_per_s=(tr.tokens_per_step * summary["steps"] / elapsed) if elapsed > 0 else None,
+            mean_mfu=(sum(self.mfus) / len(self.mfus)) if self.mfus else None,
+            samples=texts,
+        )
+        for key in ("eval_loss", "eval_ppl", "eval_accuracy"):
+            if evals and key in evals[0] and key in evals[-1]:
+                summary[f"{key}_start"], summary[f"{key}_end"] = evals[0][key], evals[-1][key]
+        summary.setdefault("eval_ppl_start", None)
+        summary.setdefault("eval_ppl_end", None)
+        plot_loss_curve(tr.output_dir / "metrics.jsonl", tr.output_dir / "loss.png",
+                        title=f"{tr.model_name} - {tr.dims.describe()}")
+        tr.log(summary_text(summary, tr.output_dir))
+        return summary
+
+
+def summary_text(s: dict, output_dir) -> str:
+    """The end summary. Its headline is what the task is judged by: accuracy for classification (a class label
+    per sample), perplexity for language modelling; the validation loss follows as a secondary line."""
+    lines = ["", "=" * 72, f"finished: {s['steps']} steps in {s['seconds']:.1f} s (now at step {s['final_step']})"]
+    if s.get("final_loss") is not None:
+        lines.append(f"  final train loss     {s['final_loss']:.4f}")
+    if s.get("eval_accuracy_start") is not None:
+        lines.append(f"  validation accuracy  {100 * s['eval_accuracy_start']:.1f}% -> "
+                     f"{100 * s['eval_accuracy_end']:.1f}%")
+        lines.append(f"  validation loss      {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f}")
+    elif s.get("eval_ppl_start") is not None:
+        ratio = s["eval_ppl_start"] / s["eval_ppl_end"]
+        lines.append(f"  validation ppl       {s['eval_ppl_start']:.1f} -> {s['eval_ppl_end']:.2f}  ({ratio:.1f}x lower)")
+    if s.get("mean_tokens_per_s"):
+        lines.append(f"  throughput           {s['mean_tokens_per_s']:,.0f} tokens/s, MFU {100 * (s['mean_mfu'] or 0):.1f}%")
+    lines.append(f"  written to           {output_dir}/ (config.yaml, metrics.jsonl, loss.png, tensorboard/, checkpoints/)")
+    for prompt, text in s.get("samples", []):
+        lines.append("-" * 72)
+        lines.append(f"{prompt}\u2502{text}")
+    lines.append("=" * 72)
+    return "\n".join(lines)
