@@ -11,7 +11,7 @@ Four ways to get a model, each in a fresh process (so its peak resident memory, 
                            ``dufu.parallel.materialize.materialize_`` allocates and fills each module from its
                            per-module seeded rule (one module's full-size copy at a time).
 * ``construct + load``   -- a pretrained start the old way: construct (random init), then
-                           ``dufu.models.hub.load_pretrained`` copies the Hugging Face weights over it.
+                           ``dufu.engine.pretrained.load_pretrained`` copies the Hugging Face weights over it.
 * ``from_pretrained``    -- ``dufu.from_pretrained`` now: build on meta, read each tensor into place (nothing
                            random is generated for what the checkpoint holds).
 
@@ -48,6 +48,7 @@ WORKER = r'''
 import json, sys, time
 import torch
 from dufu.models.gpt import GPTModel
+from dufu.engine import pretrained
 from dufu.models import hub
 from dufu.parallel.materialize import materialize_
 
@@ -61,9 +62,9 @@ elif way == "meta + materialize":
         model = GPTModel(**sizes)
     materialize_(model, model, torch.device("cpu"), seed=0)
 elif way == "construct + load":
-    model = hub.load_pretrained(GPTModel(**sizes), hf_dir)
+    model = pretrained.load_pretrained(GPTModel(**sizes), hf_dir)
 elif way == "from_pretrained":
-    model = hub.from_pretrained(hf_dir)
+    model = pretrained.from_pretrained(hf_dir)
 elif way == "baseline":
     model = None
 seconds = time.perf_counter() - t0

@@ -4,9 +4,13 @@ __version__ = "0.1.0"
 
 
 def __getattr__(name):
-    # dufu.from_pretrained / dufu.save_pretrained without importing torch-heavy modules at `import dufu`
-    if name in ("from_pretrained", "save_pretrained"):
+    # dufu.from_pretrained / save_pretrained / pretrained_model without importing torch-heavy modules at `import dufu`
+    if name == "save_pretrained":
         from dufu.models import hub
 
-        return getattr(hub, name)
+        return hub.save_pretrained
+    if name in ("from_pretrained", "pretrained_model"):
+        from dufu.engine import pretrained
+
+        return getattr(pretrained, name)
     raise AttributeError(f"module 'dufu' has no attribute {name!r}")

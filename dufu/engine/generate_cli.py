@@ -25,7 +25,8 @@ USAGE_EPILOG = """examples:
 def load_for_generation(path: str | Path, device: str = "cpu"):
     """(model in eval mode, tokenizer, end-of-text id or None) from a dufu run/checkpoint or an HF directory."""
     from dufu.data import build_tokenizer
-    from dufu.models.hub import from_pretrained, pretrained_model, read_hf_config
+    from dufu.engine.pretrained import from_pretrained, pretrained_model
+    from dufu.models.hub import read_hf_config
 
     path = Path(path)
     if not path.exists():

@@ -30,16 +30,13 @@ class InitByModule:
 
     def finish_init(self, pretrained=None) -> None:
         """The end of every family's constructor: tie the head, remember where pretrained weights come from
-        (``pretrained_path``: read later, shard by shard, after a meta-device build) and, unless built on the
-        meta device, initialise and load them now."""
+        (``pretrained_path``) and, unless built on the meta device, initialise. Nothing is read here: whoever
+        builds the model loads the weights as a separate step (the trainer shard by shard after a meta build,
+        or :func:`dufu.engine.pretrained.load_pretrained` in place)."""
         self.tie_weights()
         self.pretrained_path = None if pretrained is None else str(pretrained)
         if not any(p.is_meta for p in self.parameters()):
             self.init_weights()
-            if pretrained is not None:
-                from dufu.models.hub import load_pretrained
-
-                load_pretrained(self, pretrained)
 
     def init_module(self, name: str, module: nn.Module) -> None:  # pragma: no cover - abstract
         raise NotImplementedError

@@ -1,60 +1,39 @@
-"""Hugging Face interop: ``from_pretrained`` / ``save_pretrained`` for every dufu model family.
+"""Hugging Face interop below the engine: the adapter registry, reading transformers files, config conversion.
 
-Each family registers an adapter keyed by the transformers ``model_type`` (``gpt2``, ``llama``,
-``bert`` ...). An adapter knows how to
-
-* turn a transformers ``config.json`` into the dufu model's constructor arguments and back,
-* rename (and split / fuse / transpose) tensors between the two state-dict layouts,
-* pick the dufu class for an HF architecture name (a headless ``BertModel`` loads as the encoder alone).
+Each family registers a :class:`dufu.models.hf_adapter.HFMapping` keyed by the transformers ``model_type``
+(``gpt2``, ``llama``, ``bert`` ...): a name table, tensor transforms and a config map, which turn a
+transformers ``config.json`` into the dufu model's constructor arguments and back, rename (and split / fuse /
+transpose) tensors between the two layouts, and pick the dufu class for an HF architecture name.
 
 Weights are read from ``model.safetensors`` (sharded ``model.safetensors.index.json`` too) or, failing
-that, ``pytorch_model.bin`` with ``torch.load(weights_only=True)``.
+that, ``pytorch_model.bin`` with ``torch.load(weights_only=True)``, lazily (:class:`HFWeights`): a tensor is
+read only when the module being filled has a parameter of that name, and a tensor stored as-is
+(:class:`StoredTensor`) can be read one block at a time (safetensors ``get_slice``), so a tensor-parallel
+or ZeRO rank reads only its own shard.
 
-Starting a run from pretrained weights (``model.pretrained=DIR`` on a model config, or
-``model = L(pretrained_model)(path=DIR)``) goes through :func:`load_pretrained`. It reads lazily: the
-safetensors files are opened with ``safe_open`` and a tensor is read only when the module being loaded
-has a parameter of that name, one tensor at a time, straight into the parameter (an adapter may return
-zero-argument callables instead of tensors for that purpose). So a module that holds part of a model —
-a pipeline stage with the other stages' blocks deleted — reads only its own tensors. A dufu checkpoint
-(``output_dir``, ``output_dir/checkpoints`` or ``.../step_N``) is read the same way, through
-``torch.distributed.checkpoint`` with the module's own keys. The trainer builds the model on the meta
-device, splits and shards it, and fills each rank's part through :func:`pretrained_source` (see
-:mod:`dufu.parallel.materialize`): a pipeline stage reads only its own tensors, and a tensor-parallel or
-ZeRO rank reads only its block of each tensor stored as-is (:class:`StoredTensor`, safetensors ``get_slice``).
+Filling a model with those weights (``dufu.from_pretrained``, ``model.pretrained=DIR``, a dufu run as the
+source) composes models, materialisation and checkpoints, so it lives above: :mod:`dufu.engine.pretrained`.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping, Optional
+from typing import Iterator, Mapping, Optional
 
 import torch
 from torch import nn
 
 from dufu.errors import DataError, DufuError
+from dufu.models.hf_adapter import HFMapping
+
+# The registry's entries (one per transformers model_type) are HFMappings.
+FamilyAdapter = HFMapping
+
+_REGISTRY: dict[str, HFMapping] = {}
 
 
-@dataclass
-class FamilyAdapter:
-    model_type: str                                   # transformers' config.model_type
-    classes: dict[str, Callable[..., nn.Module]]      # HF architecture name -> dufu class (or factory)
-    config_from_hf: Callable[[dict], dict]            # HF config dict -> dufu kwargs
-    config_to_hf: Callable[[nn.Module], dict]         # dufu model -> HF config dict (with "architectures")
-    state_dict_from_hf: Callable[[dict, nn.Module], dict]
-    state_dict_to_hf: Callable[[dict, nn.Module], dict]
-    default_architecture: str = ""
-    dufu_classes: tuple = field(default_factory=tuple)  # dufu classes this adapter exports
-    # True: state_dict_from_hf takes a lazy Mapping (HFWeights), returns only the keys the given module holds,
-    # and may return zero-argument callables that read a tensor when called (see load_pretrained).
-    lazy: bool = False
-
-
-_REGISTRY: dict[str, FamilyAdapter] = {}
-
-
-def register(adapter: FamilyAdapter) -> FamilyAdapter:
+def register(adapter: HFMapping) -> HFMapping:
     _REGISTRY[adapter.model_type] = adapter
     return adapter
 
@@ -135,24 +114,6 @@ def build_from_hf_config(hf_config: dict, architecture: Optional[str] = None, **
     return ad.classes[arch](**kwargs)
 
 
-def from_pretrained(path: str | Path, architecture: Optional[str] = None, **overrides) -> nn.Module:
-    """Load a Hugging Face model directory into the matching dufu model (fp32, training mode)."""
-    with torch.device("meta"):
-        model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
-    return _filled(model, path, strict=True)
-
-
-def _filled(model: nn.Module, path: str | Path, strict: bool = False) -> nn.Module:
-    """A meta-built ``model`` (built from ``path``'s own config) allocated on the CPU and filled from ``path``:
-    the source's tensors are read one at a time into place, and only what it lacks (buffers, a new task head)
-    is initialised (seeded from torch's global generator), so no random full model is made first."""
-    from dufu.parallel.materialize import materialize_
-
-    seed = int(torch.randint(0, 2**62, ()).item())
-    return materialize_(model, model, torch.device("cpu"), seed=seed,
-                        pretrained=lambda m: pretrained_source(m, path, strict=strict, check_sizes=False))
-
-
 def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dict] = None) -> Path:
     """Write config.json + model.safetensors that transformers' Auto classes load."""
     from safetensors.torch import save_file
@@ -162,10 +123,8 @@ def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dic
     hf_sd = ad.state_dict_to_hf(sd, model)
     hf_config = ad.config_to_hf(model)
     if hf_config.get("tie_word_embeddings", False):
-        for k in list(hf_sd):
-            if k in hf_config.get("_tied_hf_keys", ()):
-                hf_sd.pop(k)
-    hf_config.pop("_tied_hf_keys", None)
+        for k in ad.tied_hf_names(model):  # transformers ties them to the embedding on load
+            hf_sd.pop(k, None)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -254,129 +213,25 @@ class StoredTensor:
         return w.read_slice(self.key, index) if isinstance(w, HFWeights) else w[self.key][index]
 
 
-def renamed_sources(hf, rules, wanted: Mapping[str, str]) -> dict[str, Callable[[], torch.Tensor]]:
-    """Readers for a lazy adapter whose transformers names changed between versions: every stored name of
-    ``hf`` (a dict or :class:`HFWeights`; only names are looked at) is normalised by the regex ``rules``
-    ``[(pattern, replacement), ...]``, and each dufu name in ``wanted`` (dufu name -> normalised transformers
-    name) present there gets a zero-argument callable that reads its tensor."""
-    import re
-
-    stored = {}
-    for key in hf:
-        name = key
-        for pattern, repl in rules:
-            name = re.sub(pattern, repl, name)
-        stored[name] = key
-    return {ours: StoredTensor(hf, stored[theirs]) for ours, theirs in wanted.items() if theirs in stored}
-
-
-def _resolve_dufu_checkpoint(path: str | Path) -> Path:
-    from dufu.engine.checkpoint import Checkpointer
-
-    path = Path(path)
-    if (path / "manifest.json").is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        if root.is_dir():
-            latest = Checkpointer(root).latest()
-            if latest is not None:
-                return latest
-    raise DataError(f"{path} holds no complete dufu checkpoint (no checkpoints/step_N with a manifest.json). "
-                    "Give a Hugging Face directory (config.json + model.safetensors), a run's output_dir or a "
-                    "checkpoint directory.")
-
-
-def _dufu_checkpoint_tensors(ckpt: Path, module: nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:
-    """Only ``keys`` of the checkpoint's model state, read by DCP into fresh tensors (tied names resolved)."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    from dufu.engine.checkpoint import SafeFileSystemReader, SafeLoadPlanner
-
-    reader = SafeFileSystemReader(str(ckpt))
-    available = reader.read_metadata().state_dict_metadata
-    aliases = {}
-    for a, b in getattr(module, "tied_parameter_names", {}).items():
-        aliases[a], aliases[b] = b, a
-    wanted, names = {}, {}
-    own = module.state_dict()
-    for key in keys:
-        stored = key if f"model.{key}" in available else aliases.get(key)
-        if stored is None or f"model.{stored}" not in available:
-            continue
-        ref = own[key]
-        wanted[stored] = torch.empty(ref.shape, dtype=available[f"model.{stored}"].properties.dtype)
-        names.setdefault(stored, []).append(key)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore")
-        dcp.load({"model": wanted}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
-    return {key: t for stored, t in wanted.items() for key in names[stored]}
+def hf_tensor_sources(adapter: HFMapping, module: nn.Module, path: str | Path) -> dict:
+    """Readers of ``module``'s tensors from the Hugging Face directory ``path`` (nothing is read yet)."""
+    return adapter.tensor_sources(HFWeights(path), module)
 
 
 # Sizes that must agree between a model built from config and the pretrained weights poured into it.
-_STRUCTURAL = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-               "ffn_hidden_size", "max_position_embeddings")
+STRUCTURAL_SIZES = ("vocab_size", "hidden_size", "num_layers", "num_attention_heads", "num_key_value_heads",
+                    "head_dim", "ffn_hidden_size", "max_position_embeddings")
 
 
-def _check_sizes(module: nn.Module, source_kwargs: dict, what: str) -> None:
-    wrong = [f"{k}={getattr(module, k)} (pretrained: {source_kwargs[k]})" for k in _STRUCTURAL
+def check_sizes_fit(module: nn.Module, source_kwargs: dict, what: str) -> None:
+    """Sizes in a pretrained source's config that differ from ``module``'s are a DataError naming both."""
+    wrong = [f"{k}={getattr(module, k)} (pretrained: {source_kwargs[k]})" for k in STRUCTURAL_SIZES
              if source_kwargs.get(k) is not None and getattr(module, k, None) is not None
              and getattr(module, k) != source_kwargs[k]]
     if wrong:
         raise DataError(f"{what} do not fit this {type(module).__name__}: {', '.join(wrong)}. Set model.* to "
-                        "the pretrained sizes, or use model = L(dufu.models.hub.pretrained_model)(path=...), "
+                        "the pretrained sizes, or use model = L(dufu.engine.pretrained.pretrained_model)(path=...), "
                         "which takes them from the pretrained config.")
-
-
-def check_pretrained(module: nn.Module, path: str | Path, check_sizes: bool = True):
-    """Where ``path``'s weights come from, checked without reading a tensor: ``(what, adapter, None)`` for a
-    Hugging Face directory, ``(what, None, checkpoint_dir)`` for a dufu run or checkpoint. A missing path, or
-    sizes in the source's config that differ from ``module``'s, is a DataError naming both (the start-up
-    checks of ``dufu train --nproc`` run this before any worker starts)."""
-    path = Path(path)
-    if (path / "config.json").is_file():
-        hf_config = read_hf_config(path)
-        ad = adapters().get(hf_config.get("model_type"))
-        if ad is None or not isinstance(module, tuple(ad.dufu_classes)):
-            ad = adapter_for_model(module)
-        what = f"the Hugging Face weights in {path}"
-        if check_sizes:
-            _check_sizes(module, ad.config_from_hf(hf_config), what)
-        return what, ad, None
-    if path.exists():
-        from dufu.config import LazyConfig
-
-        ckpt = _resolve_dufu_checkpoint(path)
-        what = f"the dufu checkpoint {ckpt}"
-        if check_sizes and (ckpt / "config.yaml").is_file():
-            node = LazyConfig.load(str(ckpt / "config.yaml")).model
-            _check_sizes(module, {k: node.get(k) for k in _STRUCTURAL}, what)
-        return what, None, ckpt
-    raise DataError(f"pretrained weights {path} do not exist. Give a Hugging Face directory "
-                    "(config.json + model.safetensors), a dufu run's output_dir or a checkpoint directory.")
-
-
-def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
-                      check_sizes: bool = True) -> tuple[str, dict]:
-    """What :func:`load_pretrained` would copy into ``module``, unread: ``(what, source)``, where ``what``
-    names the source for messages and ``source`` maps each of ``module``'s tensor names to a tensor or a
-    zero-argument callable that reads it. Sizes that differ from the source's config or a parameter the
-    source lacks is an error naming both; ``strict`` also refuses source tensors ``module`` has no place for.
-    ``module`` may be a pipeline stage or hold sharded tensors: only its names and global shapes are used."""
-    own = module.state_dict()
-    tied = getattr(module, "tied_parameter_names", {})
-    what, ad, ckpt = check_pretrained(module, path, check_sizes)
-    if ad is not None:
-        source = ad.state_dict_from_hf(HFWeights(path) if ad.lazy else read_hf_state_dict(path), module)
-    else:
-        source = _dufu_checkpoint_tensors(ckpt, module, list(own))
-    missing = [k for k in own if k not in source and k not in tied]
-    unexpected = [k for k in source if k not in own] if strict else []
-    if missing or unexpected:
-        raise DataError(f"{what} do not fit {type(module).__name__}: missing {missing[:5]}, unexpected "
-                        f"{unexpected[:5]}. Check that model.* (sizes, layers, biases) matches the pretrained model.")
-    return what, {k: v for k, v in source.items() if k in own}
 
 
 def check_source_shape(what: str, module: nn.Module, key: str, value: torch.Tensor, target: torch.Tensor) -> None:
@@ -385,57 +240,3 @@ def check_source_shape(what: str, module: nn.Module, key: str, value: torch.Tens
         raise DataError(f"{what} do not fit {type(module).__name__}: {key} has shape {tuple(value.shape)} "
                         f"there but {tuple(target.shape)} in the model. Check model.* against the "
                         "pretrained model's config.")
-
-
-@torch.no_grad()
-def load_pretrained(module: nn.Module, path: str | Path, strict: bool = False, check_sizes: bool = True) -> nn.Module:
-    """Copy pretrained weights into ``module`` in place, from a Hugging Face directory (through the
-    family's adapter) or a dufu checkpoint. ``module`` may be part of a model (a pipeline stage): only the
-    tensors it holds are read (see the module docstring and :func:`pretrained_source` for the checks)."""
-    if any(p.is_meta for p in module.parameters()):
-        raise DufuError("load_pretrained needs a materialised module (to_empty + init_weights first), "
-                        "not one on the meta device.")
-    what, source = pretrained_source(module, path, strict, check_sizes)
-    for key, target in module.state_dict().items():
-        if key not in source:
-            continue  # a tied name served by its twin
-        value = source[key]
-        value = value() if callable(value) else value
-        check_source_shape(what, module, key, value, target)
-        target.copy_(value)
-    if hasattr(module, "tie_weights"):
-        module.tie_weights()
-    return module
-
-
-def pretrained_model(path: str | Path, architecture: Optional[str] = None, **overrides) -> nn.Module:
-    """A model built from a pretrained source's own config, with its weights: ``model =
-    L(pretrained_model)(path=DIR)`` in a config. ``path``: a Hugging Face directory or a dufu run /
-    checkpoint (whose config.yaml gives the architecture). ``overrides``: constructor arguments to change
-    (e.g. dropout). Under ``torch.device("meta")`` (start-up checks) only the shapes are built."""
-    path = Path(path)
-    meta = torch.empty(0).is_meta
-    if (path / "config.json").is_file():
-        with torch.device("meta"):
-            model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
-    else:
-        from dufu.config import LazyConfig, instantiate
-
-        ckpt = _resolve_dufu_checkpoint(path)
-        cfg_file = ckpt / "config.yaml"
-        if not cfg_file.is_file():
-            raise DataError(f"checkpoint {ckpt} has no config.yaml, so its model cannot be identified.")
-        node = LazyConfig.load(str(cfg_file)).model
-        for k, v in overrides.items():
-            node[k] = v
-        if "pretrained" in node:
-            node["pretrained"] = None  # the checkpoint's own weights replace those it started from
-        with torch.device("meta"):
-            model = instantiate(node)  # shapes only; a pretrained_model node here reads nothing on meta
-        if not meta and not callable(getattr(model, "init_module", None)):
-            raise DufuError(f"{type(model).__name__} has no init_module(), so it cannot be materialised "
-                            "from a meta-device build to load a checkpoint into.")
-    if meta:
-        model.pretrained_path = str(path)  # read later, shard by shard (dufu.parallel.materialize)
-        return model
-    return _filled(model, path)  # built from the source's own config

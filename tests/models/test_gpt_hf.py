@@ -11,7 +11,8 @@ import dufu
 from dufu.config import LazyConfig, instantiate, resolve_config_path
 from dufu.errors import DataError
 from dufu.models.gpt import GPTModel
-from dufu.models.hub import HFWeights, load_pretrained
+from dufu.engine.pretrained import load_pretrained
+from dufu.models.hub import HFWeights
 from dufu_testing import count_gpt_parameters
 
 transformers = pytest.importorskip("transformers")
@@ -120,14 +121,16 @@ def test_a_pipeline_stage_reads_only_its_own_tensors(hf_dir, monkeypatch):
 def test_model_pretrained_key_loads_the_weights_and_checks_sizes(hf_dir):
     path, _ = hf_dir
     kw = dict(vocab_size=V, hidden_size=H, num_layers=L, num_attention_heads=NH, max_position_embeddings=P)
-    ours = GPTModel(**kw, pretrained=str(path))
+    built = GPTModel(**kw, pretrained=str(path))  # building reads nothing: the weights are a separate step
+    assert built.pretrained_path == str(path)
+    ours = load_pretrained(built)
     reference = dufu.from_pretrained(path)
     for name, value in reference.state_dict().items():
         torch.testing.assert_close(ours.state_dict()[name], value, rtol=0, atol=0, msg=name)
     with pytest.raises(DataError, match=r"num_layers=3 \(pretrained: 2\)"):
-        GPTModel(**{**kw, "num_layers": 3}, pretrained=str(path))
+        load_pretrained(GPTModel(**{**kw, "num_layers": 3}, pretrained=str(path)))
     with pytest.raises(DataError, match="do not exist"):
-        GPTModel(**kw, pretrained=str(path / "missing"))
+        load_pretrained(GPTModel(**kw, pretrained=str(path / "missing")))
     with torch.device("meta"):  # start-up checks build on meta: nothing is read
         assert GPTModel(**kw, pretrained=str(path / "missing")).wte.weight.is_meta
 

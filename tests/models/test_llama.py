@@ -13,7 +13,7 @@ import dufu
 from dufu.config import LazyConfig, instantiate, resolve_config_path
 from dufu.errors import DataError
 from dufu.models.gpt import causal_lm_loss
-from dufu.models.hub import pretrained_model
+from dufu.engine.pretrained import load_pretrained, pretrained_model
 from dufu.models.llama import LlamaModel
 from dufu.models.outputs import ModelOutput
 
@@ -229,7 +229,9 @@ def test_sft_recipe_starts_from_the_pretrained_run(pretrained_run, tmp_path):
     ckpt = Checkpointer(pretrained_run.output_dir / "checkpoints").latest()
     trained = Checkpointer(ckpt.parent).consolidated_model_state(ckpt)
     cfg = load_config("llama_sft", [f"model.pretrained={pretrained_run.output_dir}"])
-    model = instantiate(cfg.model)
+    model = instantiate(cfg.model)  # building reads nothing: the weights are a separate step
+    assert model.pretrained_path == str(pretrained_run.output_dir)
+    load_pretrained(model)
     for name, value in trained.items():
         torch.testing.assert_close(model.state_dict()[name], value, rtol=0, atol=0, msg=name)
     for source in (pretrained_run.output_dir, ckpt):  # the functional form takes sizes from the run's config
@@ -246,7 +248,7 @@ def test_sft_recipe_starts_from_the_pretrained_run(pretrained_run, tmp_path):
 
 def test_pretrained_sizes_must_match(pretrained_run):
     with pytest.raises(DataError, match=r"hidden_size=128 \(pretrained: 64\)"):
-        instantiate(load_sft_config(pretrained_run, "model.hidden_size=128"))
+        load_pretrained(instantiate(load_sft_config(pretrained_run, "model.hidden_size=128")))
 
 
 def load_sft_config(run, *overrides):

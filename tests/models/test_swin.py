@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dufu.layers import HeadwiseEmbedding
+from dufu.engine.pretrained import from_pretrained
 from dufu.models import hub
 from dufu.models.swin import SwinForImageClassification, count_swin_parameters
 from dufu.models.swin.model import relative_position_index, shifted_window_mask, window_merge, window_partition
@@ -109,7 +110,7 @@ def test_transformers_parity_both_ways(name, tmp_path):
         for p in hf.parameters():
             p.add_(0.05 * torch.randn_like(p))
     hf.save_pretrained(tmp_path / "hf")
-    model = hub.from_pretrained(tmp_path / "hf").eval()
+    model = from_pretrained(tmp_path / "hf").eval()
     assert isinstance(model, SwinForImageClassification)
     x, y = torch.randn(3, cfg.num_channels, cfg.image_size, cfg.image_size), torch.tensor([0, 2, 4])
     with torch.no_grad():
@@ -126,12 +127,12 @@ def test_transformers_parity_both_ways(name, tmp_path):
 def test_transformers_in_memory_names_load_too():
     import transformers
 
-    from dufu.models.swin.hf import state_dict_from_hf
+    from dufu.models.swin.hf import MAPPING
 
     cfg = transformers.SwinConfig(num_labels=5, **CONFIGS["two-stages"])
     hf = transformers.SwinForImageClassification(cfg).eval()
     model = hub.build_from_hf_config(cfg.to_dict())
-    sd = {k: read() for k, read in state_dict_from_hf(hf.state_dict(), model).items()}  # lazy readers
+    sd = {k: read() for k, read in MAPPING.tensor_sources(hf.state_dict(), model).items()}  # lazy readers
     assert set(sd) == set(model.state_dict())
 
 

@@ -19,6 +19,7 @@ from dufu.data.span_corruption import (
 )
 from dufu.errors import LayoutError
 from dufu.layers import HeadwiseEmbedding
+from dufu.engine.pretrained import from_pretrained
 from dufu.models import hub
 from dufu.models.t5 import (
     T5EncoderModel,
@@ -267,7 +268,7 @@ def test_transformers_parity_both_ways(cls_name, ff, tie, ours, batch, tmp_path)
 
     hf = _hf_t5(cls_name, ff, tie)
     hf.save_pretrained(tmp_path / "hf")
-    model = hub.from_pretrained(tmp_path / "hf").eval()
+    model = from_pretrained(tmp_path / "hf").eval()
     assert type(model) is ours
     encoder_only = cls_name == "T5EncoderModel"
     expected, got = _outputs(hf, batch, encoder_only), _outputs(model, batch, encoder_only)
@@ -297,7 +298,7 @@ def test_a_head_of_its_own_unties_a_model_whose_config_says_tied(batch, tmp_path
     cfg = json.loads((tmp_path / "config.json").read_text())
     cfg.update(tie_word_embeddings=True, scale_decoder_outputs=False)
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    model = hub.from_pretrained(tmp_path).eval()
+    model = from_pretrained(tmp_path).eval()
     assert not model.tie_word_embeddings and model.lm_head.weight is not model.wte.weight
     torch.testing.assert_close(model.wte.weight, hf.shared.weight)
     torch.testing.assert_close(model.lm_head.weight, hf.lm_head.weight)

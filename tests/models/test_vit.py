@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from dufu.data import collate
 from dufu.data.images import build_digits_datasets
+from dufu.engine.pretrained import from_pretrained
 from dufu.models import hub
 from dufu.models.vit import ViTForImageClassification, count_vit_parameters
 
@@ -72,7 +73,7 @@ def test_transformers_parity_both_ways(act, tmp_path):
         for p in hf.parameters():
             p.add_(0.05 * torch.randn_like(p))  # every tensor away from its initial value
     hf.save_pretrained(tmp_path / "hf")
-    model = hub.from_pretrained(tmp_path / "hf").eval()
+    model = from_pretrained(tmp_path / "hf").eval()
     assert isinstance(model, ViTForImageClassification) and model.num_labels == 7
     x, y = torch.randn(4, 3, 16, 16), torch.tensor([0, 1, 5, 6])
     with torch.no_grad():
@@ -90,13 +91,13 @@ def test_transformers_in_memory_names_load_too():
     """transformers 5 renames tensors in memory (vit.layers.0.attention.q_proj ...); those load as well."""
     import transformers
 
-    from dufu.models.vit.hf import state_dict_from_hf
+    from dufu.models.vit.hf import MAPPING
 
     cfg = transformers.ViTConfig(image_size=16, patch_size=4, num_channels=3, hidden_size=32, num_hidden_layers=2,
                                  num_attention_heads=4, intermediate_size=48, num_labels=7)
     hf = transformers.ViTForImageClassification(cfg).eval()
     model = make()
-    sd = {k: read() for k, read in state_dict_from_hf(hf.state_dict(), model).items()}  # lazy readers
+    sd = {k: read() for k, read in MAPPING.tensor_sources(hf.state_dict(), model).items()}  # lazy readers
     assert set(sd) == set(model.state_dict())
     model.load_state_dict(sd)
     x = torch.randn(2, 3, 16, 16)

@@ -82,6 +82,7 @@ def test_buffers_are_computed():
 
 
 def test_pretrained_source_fills_only_what_the_part_holds(tmp_path, monkeypatch):
+    from dufu.engine.pretrained import pretrained_source
     from dufu.models import hub
 
     src = GPTModel(**SIZES)
@@ -92,7 +93,7 @@ def test_pretrained_source_fills_only_what_the_part_holds(tmp_path, monkeypatch)
     reference = meta(GPTModel)
     part = build_stage_module(reference, 1, 2, [0, 0, 1, 1])
     materialize_(part, reference, torch.device("cpu"), seed=0,
-                 pretrained=lambda p: hub.pretrained_source(p, tmp_path / "hf"))
+                 pretrained=lambda p: pretrained_source(p, tmp_path / "hf"))
     expected = dict(src.named_parameters(remove_duplicate=False))
     for name, p in part.named_parameters():
         torch.testing.assert_close(p, expected[name], msg=name)

@@ -12,120 +12,63 @@ from __future__ import annotations
 import inspect
 import warnings
 
-import torch
-
 from dufu.errors import DufuError
-from dufu.models.hub import StoredTensor
+from dufu.models.bert import model as m
+from dufu.models.hf_adapter import HFMapping
+from dufu.models.hub import register
 
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
                 "silu": "silu", "swish": "silu"}
 _ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_new", "relu": "relu", "silu": "silu"}
 
-# dufu name (inside a block) -> transformers name (inside encoder.layer.i)
-_BLOCK_NAMES = (
-    ("attn.q_proj", "attention.self.query"),
-    ("attn.k_proj", "attention.self.key"),
-    ("attn.v_proj", "attention.self.value"),
-    ("attn.out_proj", "attention.output.dense"),
-    ("ln1", "attention.output.LayerNorm"),
-    ("mlp.fc1", "intermediate.dense"),
-    ("mlp.fc2", "output.dense"),
-    ("ln2", "output.LayerNorm"),
-)
-_ENCODER_NAMES = (
-    ("wte", "embeddings.word_embeddings"),
-    ("wpe", "embeddings.position_embeddings"),
-    ("token_types", "embeddings.token_type_embeddings"),
-    ("ln_emb", "embeddings.LayerNorm"),
-    ("pooler.dense", "pooler.dense"),
-)
-# Head modules: (dufu module, transformers module) per family; these are not under the encoder's prefix.
+# The encoder sits under ``bert.`` / ``roberta.`` in every architecture with a head ({prefix}).
+_ENCODER_NAMES = [
+    ("blocks.{i}.attn.q_proj", "{prefix}encoder.layer.{i}.attention.self.query"),
+    ("blocks.{i}.attn.k_proj", "{prefix}encoder.layer.{i}.attention.self.key"),
+    ("blocks.{i}.attn.v_proj", "{prefix}encoder.layer.{i}.attention.self.value"),
+    ("blocks.{i}.attn.out_proj", "{prefix}encoder.layer.{i}.attention.output.dense"),
+    ("blocks.{i}.ln1", "{prefix}encoder.layer.{i}.attention.output.LayerNorm"),
+    ("blocks.{i}.mlp.fc1", "{prefix}encoder.layer.{i}.intermediate.dense"),
+    ("blocks.{i}.mlp.fc2", "{prefix}encoder.layer.{i}.output.dense"),
+    ("blocks.{i}.ln2", "{prefix}encoder.layer.{i}.output.LayerNorm"),
+    ("wte", "{prefix}embeddings.word_embeddings"),
+    ("wpe", "{prefix}embeddings.position_embeddings"),
+    ("token_types", "{prefix}embeddings.token_type_embeddings"),
+    ("ln_emb", "{prefix}embeddings.LayerNorm"),
+    ("pooler.dense", "{prefix}pooler.dense"),
+]
+# The heads sit beside the encoder. transformers stores the output bias twice (one tensor): both are read.
 _HEAD_NAMES = {
-    "bert": (
+    "bert": [
         ("mlm_transform.dense", "cls.predictions.transform.dense"),
         ("mlm_transform.ln", "cls.predictions.transform.LayerNorm"),
-        ("lm_head.weight", "cls.predictions.decoder.weight"),
-        ("lm_head.bias", "cls.predictions.bias"),
+        ("lm_head.weight", ("cls.predictions.decoder.weight", "{prefix}embeddings.word_embeddings.weight")),
+        ("lm_head.bias", ("cls.predictions.bias", "cls.predictions.decoder.bias")),
         ("classifier", "classifier"),
-    ),
-    "roberta": (
+    ],
+    "roberta": [
         ("mlm_transform.dense", "lm_head.dense"),
         ("mlm_transform.ln", "lm_head.layer_norm"),
-        ("lm_head.weight", "lm_head.decoder.weight"),
-        ("lm_head.bias", "lm_head.bias"),
+        ("lm_head.weight", ("lm_head.decoder.weight", "{prefix}embeddings.word_embeddings.weight")),
+        ("lm_head.bias", ("lm_head.bias", "lm_head.decoder.bias")),
         ("classifier", "classifier"),
-    ),
+    ],
 }
-# The other name transformers also stores the output bias under (tied to the first).
-_BIAS_TWIN = {"bert": "cls.predictions.decoder.bias", "roberta": "lm_head.decoder.bias"}
 
 
-def _rename(name: str, table) -> str | None:
-    for ours, theirs in table:
-        if name == ours or name.startswith(ours + "."):
-            return theirs + name[len(ours):]
-    return None
-
-
-def hf_name(name: str, family: str, prefixed: bool) -> str:
-    """The transformers name of dufu tensor ``name``; ``prefixed``: the encoder sits under ``bert.``/``roberta.``
-    (every architecture with a head)."""
-    prefix = f"{family}." if prefixed else ""
-    if name.startswith("blocks."):
-        _, i, rest = name.split(".", 2)
-        inner = _rename(rest, _BLOCK_NAMES)
-        if inner is not None:
-            return f"{prefix}encoder.layer.{i}.{inner}"
-    encoder = _rename(name, _ENCODER_NAMES)
-    if encoder is not None:
-        return prefix + encoder
-    head = _rename(name, _HEAD_NAMES[family])
-    if head is not None:
-        return head
-    raise DufuError(f"dufu tensor {name!r} has no {family} name in transformers")
-
-
-def _is_prefixed(model) -> bool:
-    from dufu.models.bert.model import BertModel
-
-    return not isinstance(model, BertModel)
-
-
-def state_dict_from_hf(hf_sd, model, family: str) -> dict:
-    """transformers tensors (with or without the ``bert.``/``roberta.`` prefix; a dict or a lazy mapping) ->
-    ``model``'s tensors, as zero-argument callables that read one each: only the tensors ``model`` has are
-    returned (a pipeline stage reads its own), and a missing one is left for the caller to report."""
-    prefix = f"{family}."
-
-    def stored(theirs: str):
-        return theirs if theirs in hf_sd else (prefix + theirs if prefix + theirs in hf_sd else None)
-
-    out, fresh = {}, []
+def _finish_sources(hf, model, out: dict) -> dict:
+    """The table lets an output head missing from the checkpoint read the embedding: only a tied head may. A
+    task head the checkpoint (e.g. a bare encoder) lacks keeps the model's own initialisation, with a warning."""
     own = model.state_dict()
-    for name in own:
-        key = stored(hf_name(name, family, prefixed=False))
-        if key is None and name == "lm_head.bias":
-            key = stored(_BIAS_TWIN[family])
-        if key is not None:
-            out[name] = StoredTensor(hf_sd, key)
-        elif name == "lm_head.weight" and model.tie_word_embeddings and stored(hf_name("wte.weight", family, False)):
-            out[name] = StoredTensor(hf_sd, stored(hf_name("wte.weight", family, False)))
-        elif name.startswith(model.newly_initialized_prefixes):
-            # A task head the checkpoint (e.g. a bare encoder) lacks keeps the model's own initialisation.
-            out[name] = own[name]
-            fresh.append(name)
+    head = out.get("lm_head.weight")
+    if head is not None and not model.tie_word_embeddings and head.key.endswith("embeddings.word_embeddings.weight"):
+        del out["lm_head.weight"]
+    fresh = [name for name in own if name not in out and name.startswith(model.newly_initialized_prefixes)]
+    for name in fresh:
+        out[name] = own[name]
     if fresh:
         warnings.warn(f"{type(model).__name__}: {', '.join(fresh)} are not in the checkpoint and keep their "
-                      "fresh initialisation; train them (fine-tuning) before use.", stacklevel=2)
-    return out
-
-
-def state_dict_to_hf(sd: dict[str, torch.Tensor], model, family: str) -> dict[str, torch.Tensor]:
-    """dufu tensors -> the tensors of the transformers class ``model`` exports as."""
-    prefixed = _is_prefixed(model)
-    out = {hf_name(name, family, prefixed): t for name, t in sd.items()}
-    if "lm_head.bias" in sd:
-        out[_BIAS_TWIN[family]] = sd["lm_head.bias"].clone()  # one tensor there, stored under both names
+                      "fresh initialisation; train them (fine-tuning) before use.", stacklevel=3)
     return out
 
 
@@ -188,8 +131,6 @@ def config_to_hf(model, family: str, architecture: str) -> dict:
     if hasattr(model, "num_labels"):
         cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_labels)}
         cfg["label2id"] = {f"LABEL_{i}": i for i in range(model.num_labels)}
-    # The tied output projection is not written: transformers ties it to the embedding on load.
-    cfg["_tied_hf_keys"] = [hf_name("lm_head.weight", family, True)] if model.tie_word_embeddings else []
     return cfg
 
 
@@ -208,27 +149,25 @@ def _factory(cls):
     return build
 
 
-def _register() -> None:
-    from dufu.models.bert import model as m
-    from dufu.models.hub import FamilyAdapter, register
-
-    families = {
-        # RoBERTa first: its classes are subclasses of BERT's, so a model is matched by its own family.
-        "roberta": (m.RobertaModel, m.RobertaForMaskedLM, m.RobertaForSequenceClassification),
-        "bert": (m.BertModel, m.BertForMaskedLM, m.BertForSequenceClassification),
-    }
-    for family, classes in families.items():
-        register(FamilyAdapter(
-            model_type=family,
-            classes={cls.__name__: _factory(cls) for cls in classes},
-            config_from_hf=config_from_hf,
-            config_to_hf=lambda model, family=family: config_to_hf(model, family, type(model).__name__),
-            state_dict_from_hf=lambda sd, model, family=family: state_dict_from_hf(sd, model, family),
-            state_dict_to_hf=lambda sd, model, family=family: state_dict_to_hf(sd, model, family),
-            default_architecture=classes[0].__name__,
-            dufu_classes=classes,
-            lazy=True,
-        ))
+def _mapping(family: str, classes) -> HFMapping:
+    head_names = _HEAD_NAMES[family]
+    return HFMapping(
+        model_type=family,
+        classes={cls.__name__: _factory(cls) for cls in classes},
+        names=_ENCODER_NAMES + head_names,
+        load_renames=[(rf"^{family}\.", "")],  # the encoder's names are looked up without the prefix
+        save_prefix=lambda model: "" if isinstance(model, m.BertModel) else f"{family}.",
+        also_saved_as={head_names[3][1][0]: head_names[3][1][1]},
+        finish_sources=_finish_sources,
+        config_from_hf=config_from_hf,
+        config_to_hf=lambda model: config_to_hf(model, family, type(model).__name__),
+        default_architecture=classes[0].__name__,
+        dufu_classes=tuple(classes),
+    )
 
 
-_register()
+# RoBERTa first: its classes are subclasses of BERT's, so a model is matched by its own family.
+MAPPINGS = [
+    register(_mapping("roberta", (m.RobertaModel, m.RobertaForMaskedLM, m.RobertaForSequenceClassification))),
+    register(_mapping("bert", (m.BertModel, m.BertForMaskedLM, m.BertForSequenceClassification))),
+]

@@ -44,8 +44,8 @@ class GPTModel(InitByModule, nn.Module):
         initializer_range: float = 0.02,
         pretrained: Optional[str] = None,
     ):
-        """``pretrained``: a Hugging Face directory or a dufu run/checkpoint to take the weights from after
-        building (:func:`dufu.models.hub.load_pretrained`); the sizes given here must match it."""
+        """``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
+        building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it."""
         super().__init__()
         if hidden_size % num_attention_heads != 0:
             raise ValueError(

@@ -1,7 +1,7 @@
 """Map dufu's LlamaModel to and from Hugging Face transformers' ``LlamaForCausalLM`` and ``Qwen2ForCausalLM``.
 
 Both store the same tensors under the same names (Qwen2 adds Q/K/V biases), and every dufu tensor is one
-transformers tensor renamed — no splitting or transposing — so the mapping is a table of names.
+transformers tensor renamed — no splitting or transposing — so the mapping is a table of names only.
 
 Rotary settings are read from transformers 5's ``rope_parameters`` as well as from the older
 ``rope_theta`` / ``rope_scaling`` keys, and written in both forms.
@@ -9,51 +9,10 @@ Rotary settings are read from transformers 5's ``rope_parameters`` as well as fr
 
 from __future__ import annotations
 
-import re
-
-import torch
-
 from dufu.errors import DufuError
-from dufu.models.hub import StoredTensor
-
-# dufu name (inside blocks.<i>.) -> transformers name (inside model.layers.<i>.)
-_BLOCK_NAMES = {
-    "attn_norm": "input_layernorm",
-    "attn.q_proj": "self_attn.q_proj",
-    "attn.k_proj": "self_attn.k_proj",
-    "attn.v_proj": "self_attn.v_proj",
-    "attn.out_proj": "self_attn.o_proj",
-    "mlp_norm": "post_attention_layernorm",
-    "mlp.gate_proj": "mlp.gate_proj",
-    "mlp.up_proj": "mlp.up_proj",
-    "mlp.down_proj": "mlp.down_proj",
-}
-_BLOCK_NAMES_BACK = {v: k for k, v in _BLOCK_NAMES.items()}
-_TOP_NAMES = {"wte.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "lm_head.weight": "lm_head.weight"}
-_TOP_NAMES_BACK = {v: k for k, v in _TOP_NAMES.items()}
-_BLOCK_KEY = re.compile(r"^blocks\.(\d+)\.(.+)\.(weight|bias)$")
-_HF_BLOCK_KEY = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
-
-
-def hf_name(key: str) -> str:
-    """The transformers tensor name of a LlamaModel tensor name."""
-    if key in _TOP_NAMES:
-        return _TOP_NAMES[key]
-    m = _BLOCK_KEY.match(key)
-    if not m or m.group(2) not in _BLOCK_NAMES:
-        raise KeyError(f"LlamaModel has no tensor {key!r} with a transformers counterpart")
-    return f"model.layers.{m.group(1)}.{_BLOCK_NAMES[m.group(2)]}.{m.group(3)}"
-
-
-def dufu_name(key: str) -> str:
-    if key in _TOP_NAMES_BACK:
-        return _TOP_NAMES_BACK[key]
-    m = _HF_BLOCK_KEY.match(key)
-    if not m or m.group(2) not in _BLOCK_NAMES_BACK:
-        raise KeyError(f"transformers tensor {key!r} has no LlamaModel counterpart")
-    return f"blocks.{m.group(1)}.{_BLOCK_NAMES_BACK[m.group(2)]}.{m.group(3)}"
-
+from dufu.models.hf_adapter import HFMapping
+from dufu.models.hub import register
+from dufu.models.llama.model import LlamaModel
 
 # ----------------------------------------------------------------------------- config
 def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
@@ -174,48 +133,29 @@ def config_to_hf(model) -> dict:
 
 
 # ----------------------------------------------------------------------------- tensors
-def tensor_sources(hf, keys) -> dict:
-    """For each LlamaModel tensor name in ``keys``: a reader of it (:class:`StoredTensor`) from ``hf``
-    (a dict or a lazy mapping of transformers tensors). A tied head reads the token embedding."""
-    out = {}
-    for key in keys:
-        theirs = hf_name(key)
-        if key == "lm_head.weight" and theirs not in hf:
-            theirs = "model.embed_tokens.weight"
-        out[key] = StoredTensor(hf, theirs)
-    return out
+_NAMES = [
+    ("wte", "model.embed_tokens"),
+    ("norm", "model.norm"),
+    ("lm_head.weight", ("lm_head.weight", "model.embed_tokens.weight")),  # a tied head: the embedding
+    ("blocks.{i}.attn_norm", "model.layers.{i}.input_layernorm"),
+    ("blocks.{i}.attn.q_proj", "model.layers.{i}.self_attn.q_proj"),
+    ("blocks.{i}.attn.k_proj", "model.layers.{i}.self_attn.k_proj"),
+    ("blocks.{i}.attn.v_proj", "model.layers.{i}.self_attn.v_proj"),
+    ("blocks.{i}.attn.out_proj", "model.layers.{i}.self_attn.o_proj"),
+    ("blocks.{i}.mlp_norm", "model.layers.{i}.post_attention_layernorm"),
+    ("blocks.{i}.mlp", "model.layers.{i}.mlp"),  # gate_proj, up_proj, down_proj: the same names
+]
 
-
-def state_dict_from_hf(hf_sd: dict[str, torch.Tensor], keys) -> dict[str, torch.Tensor]:
-    return {k: read() for k, read in tensor_sources(hf_sd, keys).items()}
-
-
-def state_dict_to_hf(sd: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """LlamaModel tensors -> transformers ``LlamaForCausalLM`` / ``Qwen2ForCausalLM`` tensors."""
-    return {hf_name(k): v for k, v in sd.items() if not k.endswith("rotary.inv_freq")}
-
-
-def _register() -> None:
-    from dufu.models.hub import FamilyAdapter, register
-    from dufu.models.llama.model import LlamaModel
-
-    def to_hf_config(model) -> dict:
-        cfg = config_to_hf(model)
-        cfg["_tied_hf_keys"] = ["lm_head.weight"] if model.tie_word_embeddings else []
-        return cfg
-
-    for model_type, arch in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM")):
-        register(FamilyAdapter(
-            model_type=model_type,
-            classes={arch: LlamaModel},
-            config_from_hf=lambda hf, mt=model_type: config_from_hf({**hf, "model_type": hf.get("model_type", mt)}),
-            config_to_hf=to_hf_config,
-            state_dict_from_hf=lambda hf, model: tensor_sources(hf, model.state_dict().keys()),
-            state_dict_to_hf=lambda sd, model: state_dict_to_hf(sd),
-            default_architecture=arch,
-            dufu_classes=(LlamaModel,),
-            lazy=True,
-        ))
-
-
-_register()
+MAPPINGS = [
+    register(HFMapping(
+        model_type=model_type,
+        classes={arch: LlamaModel},
+        names=_NAMES,
+        not_saved=(r"rotary\.inv_freq$",),  # recomputed from the config
+        config_from_hf=lambda hf, mt=model_type: config_from_hf({**hf, "model_type": hf.get("model_type", mt)}),
+        config_to_hf=config_to_hf,
+        default_architecture=arch,
+        dufu_classes=(LlamaModel,),
+    ))
+    for model_type, arch in (("llama", "LlamaForCausalLM"), ("qwen2", "Qwen2ForCausalLM"))
+]

@@ -76,8 +76,8 @@ class LlamaModel(InitByModule, nn.Module):
     (the small sizes also tie the head). ``rope_scaling``: e.g. ``{"rope_type": "llama3", "factor": 8.0,
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
 
-    ``pretrained``: a Hugging Face directory or a dufu run/checkpoint to take the weights from after
-    building (see :func:`dufu.models.hub.load_pretrained`); the sizes given here must match it."""
+    ``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
+    building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it."""
 
     # What pipeline parallelism needs to split this model (see dufu.parallel.pipeline).
     pipeline_layout = {"blocks": "blocks", "first": ("wte",), "last": ("norm", "lm_head")}

@@ -9,10 +9,9 @@ The relative-position index buffer of older checkpoints is recomputed, not read.
 
 from __future__ import annotations
 
-import re
-
-import torch
-
+from dufu.models.hf_adapter import HFMapping
+from dufu.models.hub import register
+from dufu.models.swin.model import SwinForImageClassification
 from dufu.models.vit.hf import ACT_TO_HF, activation_from_hf, labels_to_hf, num_labels_from_hf
 
 _BLOCK = {
@@ -85,64 +84,32 @@ def config_to_hf(model) -> dict:
     }
 
 
-def _name_map(model) -> dict[str, str]:
-    """dufu name -> checkpoint name, for every tensor of ``model``."""
+def _stage_and_block(model, values: dict) -> dict:
+    """dufu's block k is block j of stage s in transformers."""
     stage_of = model.stage_of_block()
-    first_of_stage = {s: stage_of.index(s) for s in set(stage_of)}
-    out = {}
-    for name in model.state_dict():
-        m = re.fullmatch(r"blocks\.(\d+)\.(.+)\.(weight|bias)", name)
-        if m:
-            k, part, kind = int(m[1]), m[2], m[3]
-            s, j = stage_of[k], k - first_of_stage[stage_of[k]]
-            if part.startswith("downsample."):
-                out[name] = f"swin.encoder.layers.{s}.{part}.{kind}"
-            elif part == "attn.relative_position_bias":
-                out[name] = f"swin.encoder.layers.{s}.blocks.{j}.attention.self.relative_position_bias_table"
-            else:
-                out[name] = f"swin.encoder.layers.{s}.blocks.{j}.{_BLOCK[part]}.{kind}"
-            continue
-        out[name] = {
-            "embeddings.patch_embed.proj.weight": "swin.embeddings.patch_embeddings.projection.weight",
-            "embeddings.patch_embed.proj.bias": "swin.embeddings.patch_embeddings.projection.bias",
-            "embeddings.norm.weight": "swin.embeddings.norm.weight",
-            "embeddings.norm.bias": "swin.embeddings.norm.bias",
-            "embeddings.position_embeddings": "swin.embeddings.position_embeddings",
-            "norm.weight": "swin.layernorm.weight",
-            "norm.bias": "swin.layernorm.bias",
-            "classifier.weight": "classifier.weight",
-            "classifier.bias": "classifier.bias",
-        }[name]
-    return out
+    k = int(values["i"])
+    return {"s": stage_of[k], "j": k - stage_of.index(stage_of[k])}
 
 
-def state_dict_from_hf(hf_sd, model) -> dict:
-    """Readers (zero-argument callables) of the transformers tensors for ``model``'s names."""
-    from dufu.models.hub import renamed_sources
-
-    return renamed_sources(hf_sd, _NEW_TO_SAVED, _name_map(model))
-
-
-def state_dict_to_hf(sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    names = _name_map(model)
-    return {names[name]: t for name, t in sd.items()}
-
-
-def _register() -> None:
-    from dufu.models.hub import FamilyAdapter, register
-    from dufu.models.swin.model import SwinForImageClassification
-
-    register(FamilyAdapter(
-        model_type="swin",
-        classes={"SwinForImageClassification": SwinForImageClassification},
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-        state_dict_from_hf=state_dict_from_hf,
-        state_dict_to_hf=state_dict_to_hf,
-        default_architecture="SwinForImageClassification",
-        dufu_classes=(SwinForImageClassification,),
-        lazy=True,
-    ))
-
-
-_register()
+_STAGE_BLOCK = "swin.encoder.layers.{s}.blocks.{j}"
+MAPPING = register(HFMapping(
+    model_type="swin",
+    classes={"SwinForImageClassification": SwinForImageClassification},
+    names=[
+        ("blocks.{i}.downsample", "swin.encoder.layers.{s}.downsample"),  # a stage's last block holds it
+        ("blocks.{i}.attn.relative_position_bias.weight",
+         _STAGE_BLOCK + ".attention.self.relative_position_bias_table"),
+        *((f"blocks.{{i}}.{ours}", f"{_STAGE_BLOCK}.{theirs}") for ours, theirs in _BLOCK.items()),
+        ("embeddings.patch_embed.proj", "swin.embeddings.patch_embeddings.projection"),
+        ("embeddings.norm", "swin.embeddings.norm"),
+        ("embeddings.position_embeddings", "swin.embeddings.position_embeddings"),
+        ("norm", "swin.layernorm"),
+        ("classifier", "classifier"),
+    ],
+    placeholders=_stage_and_block,
+    load_renames=_NEW_TO_SAVED,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    default_architecture="SwinForImageClassification",
+    dufu_classes=(SwinForImageClassification,),
+))

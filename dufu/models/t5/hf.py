@@ -5,7 +5,7 @@ The tensors are the same; only the names differ. transformers nests each sub-lay
 ``block.{i}.layer.{j}`` (j = 0 self-attention, 1 cross-attention in the decoder, last = feed-forward)
 and keeps a stack's relative-bias table inside its first block; dufu names the parts
 (``blocks.{i}.self_attn``, ``...cross_attn``, ``...mlp``) and keeps the table on the stack
-(``encoder.relative_bias.table``). Hence one name table, built from the model, serves both directions.
+(``encoder.relative_bias.table``). Hence one name table serves both directions.
 
 Tying: transformers 5 always ties the head to the embedding unless a checkpoint holds a different
 ``lm_head.weight`` (T5 v1.1), and keeps the decoder-output rescale as ``scale_decoder_outputs``;
@@ -14,13 +14,13 @@ older configs say both with ``tie_word_embeddings``. Both spellings are read and
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
 from dufu.errors import DataError
-from dufu.models.hub import StoredTensor
+from dufu.models.hf_adapter import HFMapping
+from dufu.models.hub import StoredTensor, register
+from dufu.models.t5.model import T5EncoderModel, T5ForConditionalGeneration, T5Model
 
 _PROJ = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "out_proj": "o"}
 _FF = {"fc1": "wi", "fc2": "wo", "gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
@@ -54,8 +54,6 @@ def config_from_hf(hf: dict) -> dict:
 
 
 def config_to_hf(model) -> dict:
-    from dufu.models.t5.model import T5EncoderModel
-
     encoder_only = isinstance(model, T5EncoderModel)
     head = getattr(model, "lm_head", None) is not None
     arch = "T5EncoderModel" if encoder_only else ("T5ForConditionalGeneration" if head else "T5Model")
@@ -82,101 +80,68 @@ def config_to_hf(model) -> dict:
         "pad_token_id": getattr(model, "pad_token_id", 0),
         "decoder_start_token_id": getattr(model, "decoder_start_token_id", 0),
         "torch_dtype": "float32",
-        "_tied_hf_keys": ["lm_head.weight"] if (head and tie) else [],
     }
     return cfg
 
 
-def hf_name(name: str) -> str:
-    """The transformers name of a dufu T5 tensor name."""
-    if name == "wte.weight":
-        return "shared.weight"
-    if name == "lm_head.weight":
-        return name
-    m = re.fullmatch(r"(encoder|decoder)\.relative_bias\.table\.weight", name)
-    if m:
-        return f"{m[1]}.block.0.layer.0.SelfAttention.relative_attention_bias.weight"
-    m = re.fullmatch(r"(encoder|decoder)\.final_norm\.weight", name)
-    if m:
-        return f"{m[1]}.final_layer_norm.weight"
-    m = re.fullmatch(r"(encoder|decoder)\.blocks\.(\d+)\.(\w+)\.?(\w*)\.weight", name)
-    if not m:
-        raise KeyError(f"no transformers name for T5 tensor {name!r}")
-    stack, i, part, sub = m.groups()
-    ff_layer = 2 if stack == "decoder" else 1
-    prefix = f"{stack}.block.{i}.layer."
-    if part == "ln_self":
-        return prefix + "0.layer_norm.weight"
-    if part == "ln_cross":
-        return prefix + "1.layer_norm.weight"
-    if part == "ln_mlp":
-        return prefix + f"{ff_layer}.layer_norm.weight"
-    if part == "self_attn":
-        return prefix + f"0.SelfAttention.{_PROJ[sub]}.weight"
-    if part == "cross_attn":
-        return prefix + f"1.EncDecAttention.{_PROJ[sub]}.weight"
-    if part == "mlp":
-        return prefix + f"{ff_layer}.DenseReluDense.{_FF[sub]}.weight"
-    raise KeyError(f"no transformers name for T5 tensor {name!r}")
+def _stack_names(stack: str, ff_layer: int) -> list[tuple[str, str]]:
+    """One stack's rows: transformers nests sub-layer j of block i as ``block.{i}.layer.{j}``."""
+    b, h = f"{stack}.blocks.{{i}}", f"{stack}.block.{{i}}.layer"
+    return [
+        (f"{stack}.relative_bias.table", f"{stack}.block.0.layer.0.SelfAttention.relative_attention_bias"),
+        (f"{stack}.final_norm", f"{stack}.final_layer_norm"),
+        (f"{b}.ln_self", f"{h}.0.layer_norm"),
+        (f"{b}.ln_cross", f"{h}.1.layer_norm"),
+        (f"{b}.ln_mlp", f"{h}.{ff_layer}.layer_norm"),
+        *((f"{b}.self_attn.{ours}", f"{h}.0.SelfAttention.{theirs}") for ours, theirs in _PROJ.items()),
+        *((f"{b}.cross_attn.{ours}", f"{h}.1.EncDecAttention.{theirs}") for ours, theirs in _PROJ.items()),
+        *((f"{b}.mlp.{ours}", f"{h}.{ff_layer}.DenseReluDense.{theirs}") for ours, theirs in _FF.items()),
+    ]
 
 
-def state_dict_from_hf(hf_sd, model) -> dict:
-    """transformers T5 tensors (a dict or a lazy mapping) -> readers (zero-argument callables) of ``model``'s
-    tensors, only those ``model`` holds. A checkpoint whose ``lm_head.weight`` differs from the embedding (T5
-    v1.1 saved by a transformers that always claims tying) unties the model's head."""
-    out = {}
-    for name in model.state_dict():
-        theirs = hf_name(name)
-        if theirs in hf_sd:
-            out[name] = StoredTensor(hf_sd, theirs)
+_NAMES = [
+    ("wte", "shared"),
+    ("lm_head.weight", ("lm_head.weight", "shared.weight")),  # an untied head missing: the embedding
+    *_stack_names("encoder", 1),
+    *_stack_names("decoder", 2),  # the decoder's feed-forward follows its cross-attention
+]
+
+
+def _finish_sources(hf_sd, model, out: dict) -> dict:
+    """A tied head is served by the embedding, unless the checkpoint's ``lm_head.weight`` differs from it (T5
+    v1.1 saved by a transformers that always claims tying): that unties the model's head."""
     head = getattr(model, "lm_head", None)
-    if head is None:
+    if head is None or not model.tie_word_embeddings:
         return out
-    if model.tie_word_embeddings:
-        out.pop("lm_head.weight", None)  # served by the embedding
-        if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["shared.weight"]):
-            if getattr(model, "wte", None) is None or type(head.weight) is not nn.Parameter:
-                raise DataError(
-                    "this T5 checkpoint's lm_head.weight differs from its embedding although the model ties them; "
-                    "set model.tie_word_embeddings=False (a head of its own) to load it in a parallel layout.")
-            model.untie_weights()  # a head of its own: filled from the checkpoint's
-            out["lm_head.weight"] = StoredTensor(hf_sd, "lm_head.weight")
-    elif "lm_head.weight" not in hf_sd:
-        out["lm_head.weight"] = StoredTensor(hf_sd, "shared.weight")
+    out.pop("lm_head.weight", None)
+    if "lm_head.weight" in hf_sd and not torch.equal(hf_sd["lm_head.weight"], hf_sd["shared.weight"]):
+        if getattr(model, "wte", None) is None or type(head.weight) is not nn.Parameter:
+            raise DataError(
+                "this T5 checkpoint's lm_head.weight differs from its embedding although the model ties them; "
+                "set model.tie_word_embeddings=False (a head of its own) to load it in a parallel layout.")
+        model.untie_weights()  # a head of its own: filled from the checkpoint's
+        out["lm_head.weight"] = StoredTensor(hf_sd, "lm_head.weight")
     return out
 
 
-def state_dict_to_hf(sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    out = {hf_name(name): t for name, t in sd.items()}
-    # transformers also names the shared table inside each stack; they load as aliases of shared.weight
-    return out
+def _encoder_model(**kw):
+    keep = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads", "feed_forward_proj",
+            "relative_attention_num_buckets", "relative_attention_max_distance", "dropout_rate",
+            "layer_norm_epsilon", "initializer_factor")
+    return T5EncoderModel(**{k: v for k, v in kw.items() if k in keep})
 
 
-def _register() -> None:
-    from dufu.models.hub import FamilyAdapter, register
-    from dufu.models.t5.model import T5EncoderModel, T5ForConditionalGeneration, T5Model
-
-    def encoder_model(**kw):
-        keep = ("vocab_size", "d_model", "d_kv", "d_ff", "num_layers", "num_heads", "feed_forward_proj",
-                "relative_attention_num_buckets", "relative_attention_max_distance", "dropout_rate",
-                "layer_norm_epsilon", "initializer_factor")
-        return T5EncoderModel(**{k: v for k, v in kw.items() if k in keep})
-
-    register(FamilyAdapter(
-        model_type="t5",
-        classes={
-            "T5ForConditionalGeneration": T5ForConditionalGeneration,
-            "T5Model": T5Model,
-            "T5EncoderModel": encoder_model,
-        },
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-        state_dict_from_hf=state_dict_from_hf,
-        state_dict_to_hf=state_dict_to_hf,
-        default_architecture="T5ForConditionalGeneration",
-        dufu_classes=(T5ForConditionalGeneration, T5EncoderModel),
-        lazy=True,
-    ))
-
-
-_register()
+MAPPING = register(HFMapping(
+    model_type="t5",
+    classes={
+        "T5ForConditionalGeneration": T5ForConditionalGeneration,
+        "T5Model": T5Model,
+        "T5EncoderModel": _encoder_model,
+    },
+    names=_NAMES,
+    finish_sources=_finish_sources,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    default_architecture="T5ForConditionalGeneration",
+    dufu_classes=(T5ForConditionalGeneration, T5EncoderModel),
+))

@@ -6,9 +6,9 @@ Names are written as transformers stores them in checkpoints (``vit.encoder.laye
 
 from __future__ import annotations
 
-import re
-
-import torch
+from dufu.models.hf_adapter import HFMapping
+from dufu.models.hub import register
+from dufu.models.vit.model import ViTForImageClassification
 
 ACT_TO_HF = {"gelu": "gelu", "gelu_tanh": "gelu_pytorch_tanh", "relu": "relu", "silu": "silu"}
 ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
@@ -96,49 +96,20 @@ def config_to_hf(model) -> dict:
     }
 
 
-def _hf_name(name: str) -> str:
-    m = re.fullmatch(r"blocks\.(\d+)\.(\w+\.?\w*)\.(weight|bias)", name)
-    if m:
-        return f"vit.encoder.layer.{m[1]}.{_BLOCK[m[2]]}.{m[3]}"
-    fixed = {
-        "embeddings.cls_token": "vit.embeddings.cls_token",
-        "embeddings.position_embeddings": "vit.embeddings.position_embeddings",
-        "embeddings.patch_embed.proj.weight": "vit.embeddings.patch_embeddings.projection.weight",
-        "embeddings.patch_embed.proj.bias": "vit.embeddings.patch_embeddings.projection.bias",
-        "norm.weight": "vit.layernorm.weight",
-        "norm.bias": "vit.layernorm.bias",
-        "classifier.weight": "classifier.weight",
-        "classifier.bias": "classifier.bias",
-    }
-    return fixed[name]
-
-
-def state_dict_from_hf(hf_sd, model) -> dict:
-    """Readers (zero-argument callables) of the transformers tensors for ``model``'s names."""
-    from dufu.models.hub import renamed_sources
-
-    return renamed_sources(hf_sd, _NEW_TO_SAVED, {name: _hf_name(name) for name in model.state_dict()})
-
-
-def state_dict_to_hf(sd: dict[str, torch.Tensor], model) -> dict[str, torch.Tensor]:
-    return {_hf_name(name): t for name, t in sd.items()}
-
-
-def _register() -> None:
-    from dufu.models.hub import FamilyAdapter, register
-    from dufu.models.vit.model import ViTForImageClassification
-
-    register(FamilyAdapter(
-        model_type="vit",
-        classes={"ViTForImageClassification": ViTForImageClassification},
-        config_from_hf=config_from_hf,
-        config_to_hf=config_to_hf,
-        state_dict_from_hf=state_dict_from_hf,
-        state_dict_to_hf=state_dict_to_hf,
-        default_architecture="ViTForImageClassification",
-        dufu_classes=(ViTForImageClassification,),
-        lazy=True,
-    ))
-
-
-_register()
+MAPPING = register(HFMapping(
+    model_type="vit",
+    classes={"ViTForImageClassification": ViTForImageClassification},
+    names=[
+        *((f"blocks.{{i}}.{ours}", f"vit.encoder.layer.{{i}}.{theirs}") for ours, theirs in _BLOCK.items()),
+        ("embeddings.cls_token", "vit.embeddings.cls_token"),
+        ("embeddings.position_embeddings", "vit.embeddings.position_embeddings"),
+        ("embeddings.patch_embed.proj", "vit.embeddings.patch_embeddings.projection"),
+        ("norm", "vit.layernorm"),
+        ("classifier", "classifier"),
+    ],
+    load_renames=_NEW_TO_SAVED,
+    config_from_hf=config_from_hf,
+    config_to_hf=config_to_hf,
+    default_architecture="ViTForImageClassification",
+    dufu_classes=(ViTForImageClassification,),
+))

@@ -1,0 +1,205 @@
+"""Pretrained weights into a dufu model: the step that composes models, materialisation, checkpoints and configs.
+
+Building a model never reads a file: a constructor given ``pretrained=DIR`` (``model.pretrained=DIR`` in a
+config) only records ``pretrained_path``. Whoever builds the model loads it, here:
+
+* the trainer builds on the meta device, splits and shards, and fills each rank's part through
+  :func:`pretrained_source` (see :mod:`dufu.parallel.materialize`): a pipeline stage reads only its own
+  tensors, and a tensor-parallel or ZeRO rank reads only its block of each tensor stored as-is
+  (:class:`dufu.models.hub.StoredTensor`);
+* :func:`load_pretrained` fills a model already built on a real device, in place;
+* :func:`from_pretrained` and :func:`pretrained_model` build the model from the source's own config and fill it.
+
+A source is a Hugging Face directory (read through the family's adapter, :mod:`dufu.models.hub`) or a dufu
+run (``output_dir``, ``output_dir/checkpoints`` or ``.../step_N``), read through
+``torch.distributed.checkpoint`` with the module's own keys.
+"""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dufu.engine.checkpoint import Checkpointer, SafeFileSystemReader, SafeLoadPlanner
+from dufu.errors import DataError, DufuError
+from dufu.models.hub import (
+    STRUCTURAL_SIZES,
+    adapter_for_model,
+    adapters,
+    build_from_hf_config,
+    check_sizes_fit,
+    check_source_shape,
+    hf_tensor_sources,
+    read_hf_config,
+)
+from dufu.parallel.materialize import materialize_
+
+
+def resolve_dufu_checkpoint(path: str | Path) -> Path:
+    """The checkpoint directory (``step_N`` with a manifest) that ``path`` names or holds the latest of."""
+    path = Path(path)
+    if (path / "manifest.json").is_file():
+        return path
+    for root in (path / "checkpoints", path):
+        if root.is_dir():
+            latest = Checkpointer(root).latest()
+            if latest is not None:
+                return latest
+    raise DataError(f"{path} holds no complete dufu checkpoint (no checkpoints/step_N with a manifest.json). "
+                    "Give a Hugging Face directory (config.json + model.safetensors), a run's output_dir or a "
+                    "checkpoint directory.")
+
+
+def _dufu_checkpoint_tensors(ckpt: Path, module: nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:
+    """Only ``keys`` of the checkpoint's model state, read by DCP into fresh tensors (tied names resolved)."""
+    import torch.distributed.checkpoint as dcp
+
+    reader = SafeFileSystemReader(str(ckpt))
+    available = reader.read_metadata().state_dict_metadata
+    aliases = {}
+    for a, b in getattr(module, "tied_parameter_names", {}).items():
+        aliases[a], aliases[b] = b, a
+    wanted, names = {}, {}
+    own = module.state_dict()
+    for key in keys:
+        stored = key if f"model.{key}" in available else aliases.get(key)
+        if stored is None or f"model.{stored}" not in available:
+            continue
+        ref = own[key]
+        wanted[stored] = torch.empty(ref.shape, dtype=available[f"model.{stored}"].properties.dtype)
+        names.setdefault(stored, []).append(key)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore")
+        dcp.load({"model": wanted}, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    return {key: t for stored, t in wanted.items() for key in names[stored]}
+
+
+def check_pretrained(module: nn.Module, path: str | Path, check_sizes: bool = True):
+    """Where ``path``'s weights come from, checked without reading a tensor: ``(what, adapter, None)`` for a
+    Hugging Face directory, ``(what, None, checkpoint_dir)`` for a dufu run or checkpoint. A missing path, or
+    sizes in the source's config that differ from ``module``'s, is a DataError naming both (the start-up
+    checks of ``dufu train --nproc`` run this before any worker starts)."""
+    from dufu.config import LazyConfig
+
+    path = Path(path)
+    if (path / "config.json").is_file():
+        hf_config = read_hf_config(path)
+        ad = adapters().get(hf_config.get("model_type"))
+        if ad is None or not isinstance(module, tuple(ad.dufu_classes)):
+            ad = adapter_for_model(module)
+        what = f"the Hugging Face weights in {path}"
+        if check_sizes:
+            check_sizes_fit(module, ad.config_from_hf(hf_config), what)
+        return what, ad, None
+    if path.exists():
+        ckpt = resolve_dufu_checkpoint(path)
+        what = f"the dufu checkpoint {ckpt}"
+        if check_sizes and (ckpt / "config.yaml").is_file():
+            node = LazyConfig.load(str(ckpt / "config.yaml")).model
+            check_sizes_fit(module, {k: node.get(k) for k in STRUCTURAL_SIZES}, what)
+        return what, None, ckpt
+    raise DataError(f"pretrained weights {path} do not exist. Give a Hugging Face directory "
+                    "(config.json + model.safetensors), a dufu run's output_dir or a checkpoint directory.")
+
+
+def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
+                      check_sizes: bool = True) -> tuple[str, dict]:
+    """What :func:`load_pretrained` would copy into ``module``, unread: ``(what, source)``, where ``what``
+    names the source for messages and ``source`` maps each of ``module``'s tensor names to a tensor or a
+    zero-argument callable that reads it. Sizes that differ from the source's config or a parameter the
+    source lacks is an error naming both; ``strict`` also refuses source tensors ``module`` has no place for.
+    ``module`` may be a pipeline stage or hold sharded tensors: only its names and global shapes are used."""
+    own = module.state_dict()
+    tied = getattr(module, "tied_parameter_names", {})
+    what, ad, ckpt = check_pretrained(module, path, check_sizes)
+    if ad is not None:
+        source = hf_tensor_sources(ad, module, path)
+    else:
+        source = _dufu_checkpoint_tensors(ckpt, module, list(own))
+    missing = [k for k in own if k not in source and k not in tied]
+    unexpected = [k for k in source if k not in own] if strict else []
+    if missing or unexpected:
+        raise DataError(f"{what} do not fit {type(module).__name__}: missing {missing[:5]}, unexpected "
+                        f"{unexpected[:5]}. Check that model.* (sizes, layers, biases) matches the pretrained model.")
+    return what, {k: v for k, v in source.items() if k in own}
+
+
+@torch.no_grad()
+def load_pretrained(module: nn.Module, path: Optional[str | Path] = None, strict: bool = False,
+                    check_sizes: bool = True) -> nn.Module:
+    """Copy pretrained weights into ``module`` in place, from a Hugging Face directory (through the
+    family's adapter) or a dufu checkpoint; ``path`` defaults to the ``pretrained_path`` the constructor
+    recorded. ``module`` may be part of a model (a pipeline stage): only the tensors it holds are read
+    (see :func:`pretrained_source` for the checks)."""
+    path = getattr(module, "pretrained_path", None) if path is None else path
+    if path is None:
+        raise DufuError(f"{type(module).__name__} was built without pretrained weights (pretrained=None) and no "
+                        "path was given to load_pretrained.")
+    if any(p.is_meta for p in module.parameters()):
+        raise DufuError("load_pretrained needs a materialised module (to_empty + init_weights first), "
+                        "not one on the meta device.")
+    what, source = pretrained_source(module, path, strict, check_sizes)
+    for key, target in module.state_dict().items():
+        if key not in source:
+            continue  # a tied name served by its twin
+        value = source[key]
+        value = value() if callable(value) else value
+        check_source_shape(what, module, key, value, target)
+        target.copy_(value)
+    if hasattr(module, "tie_weights"):
+        module.tie_weights()
+    return module
+
+
+def _filled(model: nn.Module, path: str | Path, strict: bool = False) -> nn.Module:
+    """A meta-built ``model`` (built from ``path``'s own config) allocated on the CPU and filled from ``path``:
+    the source's tensors are read one at a time into place, and only what it lacks (buffers, a new task head)
+    is initialised (seeded from torch's global generator), so no random full model is made first."""
+    seed = int(torch.randint(0, 2**62, ()).item())
+    return materialize_(model, model, torch.device("cpu"), seed=seed,
+                        pretrained=lambda m: pretrained_source(m, path, strict=strict, check_sizes=False))
+
+
+def from_pretrained(path: str | Path, architecture: Optional[str] = None, **overrides) -> nn.Module:
+    """Load a Hugging Face model directory into the matching dufu model (fp32, training mode)."""
+    with torch.device("meta"):
+        model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
+    return _filled(model, path, strict=True)
+
+
+def pretrained_model(path: str | Path, architecture: Optional[str] = None, **overrides) -> nn.Module:
+    """A model built from a pretrained source's own config, with its weights: ``model =
+    L(pretrained_model)(path=DIR)`` in a config. ``path``: a Hugging Face directory or a dufu run /
+    checkpoint (whose config.yaml gives the architecture). ``overrides``: constructor arguments to change
+    (e.g. dropout). Under ``torch.device("meta")`` (start-up checks, the trainer's build) only the shapes
+    are built and ``pretrained_path`` is recorded for the trainer to fill shard by shard."""
+    from dufu.config import LazyConfig, instantiate
+
+    path = Path(path)
+    meta = torch.empty(0).is_meta
+    if (path / "config.json").is_file():
+        with torch.device("meta"):
+            model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
+    else:
+        ckpt = resolve_dufu_checkpoint(path)
+        cfg_file = ckpt / "config.yaml"
+        if not cfg_file.is_file():
+            raise DataError(f"checkpoint {ckpt} has no config.yaml, so its model cannot be identified.")
+        node = LazyConfig.load(str(cfg_file)).model
+        for k, v in overrides.items():
+            node[k] = v
+        if "pretrained" in node:
+            node["pretrained"] = None  # the checkpoint's own weights replace those it started from
+        with torch.device("meta"):
+            model = instantiate(node)  # shapes only
+        if not meta and not callable(getattr(model, "init_module", None)):
+            raise DufuError(f"{type(model).__name__} has no init_module(), so it cannot be materialised "
+                            "from a meta-device build to load a checkpoint into.")
+    if meta:
+        model.pretrained_path = str(path)  # read later, shard by shard (dufu.parallel.materialize)
+        return model
+    return _filled(model, path)  # built from the source's own config

@@ -1,0 +1,231 @@
+"""One declarative shape for every family's Hugging Face mapping (:class:`HFMapping`).
+
+A family states, as data:
+
+* ``names``: a table ``(dufu name, transformers name)``, each side either a tensor name or a module prefix,
+  with the layer index as a placeholder: ``("blocks.{i}.ln1", "transformer.h.{i}.ln_1")`` maps
+  ``blocks.3.ln1.weight`` to ``transformer.h.3.ln_1.weight``. The first row that matches wins. The
+  transformers side may list alternatives ``("lm_head.weight", "transformer.wte.weight")``: the first is
+  written, and on load the first one stored is read (a tied head falls back to the embedding).
+  ``{prefix}`` on the transformers side is the encoder prefix of models with a head (``bert.``): written as
+  ``save_prefix(model)`` gives it, never looked up (``load_renames`` strip it from the stored names);
+* ``transforms``: the tensors that are not stored as-is, each a :class:`Transposed` or :class:`Fused` rule
+  that works in both directions;
+* ``load_renames``: regex rewrites from the names other transformers versions store to the table's names;
+* ``config_from_hf`` / ``config_to_hf``: the config map (see :class:`ConfigKey` for the plain keys).
+
+Reading is lazy: a tensor stored as-is becomes a :class:`dufu.models.hub.StoredTensor` (so a
+tensor-parallel or ZeRO rank reads only its block), a transformed one a zero-argument callable that reads
+the whole stored tensor; only the names the given module holds are looked up (a pipeline stage reads its own).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+from torch import nn
+
+from dufu.errors import DufuError
+
+_MISSING = object()
+
+
+def _compile(pattern: str) -> re.Pattern:
+    """A dufu-side pattern as a regex: ``{name}`` placeholders match integers, and a module prefix matches
+    every tensor under it (the remainder is kept in the group ``rest``)."""
+    parts = re.split(r"(\{\w+\})", pattern)
+    body = "".join(f"(?P<{p[1:-1]}>\\d+)" if p.startswith("{") else re.escape(p) for p in parts)
+    return re.compile(body + r"(?P<rest>\..+)?")
+
+
+def _alternatives(theirs: str | Sequence[str]) -> tuple[str, ...]:
+    return (theirs,) if isinstance(theirs, str) else tuple(theirs)
+
+
+@dataclass(frozen=True)
+class Transposed:
+    """``nn.Linear`` weights stored transposed (GPT-2's ``Conv1D`` keeps (in, out)); biases are stored as-is."""
+
+    modules: tuple[str, ...]  # dufu module patterns, named on the transformers side by the table
+
+    def __init__(self, *modules: str):
+        object.__setattr__(self, "modules", modules)
+
+
+@dataclass(frozen=True)
+class Fused:
+    """Several dufu tensors stored as one transformers tensor, concatenated along ``dim`` (GPT-2's
+    ``c_attn`` holds q | k | v); ``transposed``: the fused weight is stored (in, out) as well."""
+
+    parts: tuple[str, ...]  # dufu module patterns, in their order inside the stored tensor
+    stored: str             # the transformers module pattern
+    dim: int = 0
+    transposed: bool = False
+
+
+@dataclass(frozen=True)
+class ConfigKey:
+    """One constructor argument <-> one transformers config key: ``default`` when the key is absent (no
+    default: required), ``from_hf`` / ``to_hf`` convert values, ``read`` gets the value from a model
+    (default: the attribute named like the argument)."""
+
+    dufu: str
+    hf: str
+    default: Any = _MISSING
+    from_hf: Optional[Callable[[Any], Any]] = None
+    to_hf: Optional[Callable[[Any], Any]] = None
+    read: Optional[Callable[[nn.Module], Any]] = None
+
+
+def config_from_keys(keys: Sequence[ConfigKey], hf: Mapping) -> dict:
+    """Constructor arguments from a transformers config dict through a config map."""
+    out = {}
+    for k in keys:
+        if k.hf in hf and hf[k.hf] is not None:
+            value = hf[k.hf]
+        elif k.default is not _MISSING:
+            value = k.default(hf) if callable(k.default) else k.default
+        else:
+            raise DufuError(f"the transformers config has no {k.hf!r}, which dufu needs for {k.dufu}.")
+        out[k.dufu] = k.from_hf(value) if k.from_hf is not None and value is not None else value
+    return out
+
+
+def config_to_keys(keys: Sequence[ConfigKey], model: nn.Module) -> dict:
+    """The transformers config keys of ``model`` through a config map."""
+    out = {}
+    for k in keys:
+        value = k.read(model) if k.read is not None else getattr(model, k.dufu)
+        out[k.hf] = k.to_hf(value) if k.to_hf is not None else value
+    return out
+
+
+@dataclass
+class HFMapping:
+    model_type: str                                   # transformers' config.model_type
+    classes: dict[str, Callable[..., nn.Module]]      # HF architecture name -> dufu class (or factory)
+    names: Sequence[tuple[str, str | Sequence[str]]]  # (dufu pattern, transformers pattern or alternatives)
+    config_from_hf: Callable[[dict], dict]            # HF config dict -> dufu kwargs
+    config_to_hf: Callable[[nn.Module], dict]         # dufu model -> HF config dict (with "architectures")
+    transforms: Sequence[Transposed | Fused] = ()
+    load_renames: Sequence[tuple[str, str]] = ()      # (regex, replacement) on stored names
+    save_prefix: Callable[[nn.Module], str] = lambda model: ""
+    also_saved_as: Mapping[str, str] = field(default_factory=dict)  # HF name -> second name of the same tensor
+    not_saved: tuple[str, ...] = ()                   # regexes of dufu names with no transformers counterpart
+    placeholders: Optional[Callable[[nn.Module, dict], dict]] = None  # more placeholders from {i} (Swin's stage)
+    finish_sources: Optional[Callable[[Mapping, nn.Module, dict], dict]] = None  # family rules after the table
+    default_architecture: str = ""
+    dufu_classes: tuple = ()                          # dufu classes this mapping exports
+    tied_head: str = "lm_head.weight"                 # not written when the model ties it to the embedding
+
+    def __post_init__(self):
+        self._names = [(_compile(ours), _alternatives(theirs)) for ours, theirs in self.names]
+        self._transposed = [_compile(m) for t in self.transforms if isinstance(t, Transposed) for m in t.modules]
+        self._fused = [(t, [_compile(p) for p in t.parts]) for t in self.transforms if isinstance(t, Fused)]
+
+    # ------------------------------------------------------------------ names
+    def _values(self, match: re.Match, model: nn.Module, prefix: str) -> dict:
+        values = {k: v for k, v in match.groupdict().items() if k != "rest"}
+        if self.placeholders is not None and values:
+            values.update(self.placeholders(model, values))
+        return {**values, "prefix": prefix}
+
+    def hf_names(self, name: str, model: nn.Module, prefix: str = "") -> Optional[tuple[str, ...]]:
+        """The transformers names (alternatives, first = written) of dufu tensor ``name``, or None."""
+        for rx, theirs in self._names:
+            m = rx.fullmatch(name)
+            if m:
+                rest = m["rest"] or ""
+                values = self._values(m, model, prefix)
+                return tuple(t.format(**values) + rest for t in theirs)
+        return None
+
+    def _fused_part(self, name: str, model: nn.Module, prefix: str = ""):
+        """``(rule, part index, stored name)`` when ``name`` is part of a fused tensor, else None."""
+        for rule, parts in self._fused:
+            for w, rx in enumerate(parts):
+                m = rx.fullmatch(name)
+                if m:
+                    return rule, w, rule.stored.format(**self._values(m, model, prefix)) + (m["rest"] or "")
+        return None
+
+    def _is_transposed(self, name: str) -> bool:
+        return name.endswith(".weight") and any(rx.fullmatch(name) for rx in self._transposed)
+
+    # ------------------------------------------------------------------ from transformers
+    def tensor_sources(self, hf: Mapping, model: nn.Module) -> dict:
+        """For each of ``model``'s tensor names found in ``hf`` (a dict or a lazy mapping of transformers
+        tensors): a reader of it. Names ``hf`` lacks are left out, for the caller to report."""
+        from dufu.models.hub import StoredTensor
+
+        stored = {}  # the table's name -> the name ``hf`` stores it under
+        for key in hf:
+            name = key
+            for pattern, repl in self.load_renames:
+                name = re.sub(pattern, repl, name)
+            stored[name] = key
+        out = {}
+        for name in model.state_dict():
+            fused = self._fused_part(name, model)
+            if fused is not None:
+                rule, w, theirs = fused
+                if theirs in stored:
+                    out[name] = _fused_reader(hf, stored[theirs], rule, w)
+                continue
+            theirs = next((t for t in self.hf_names(name, model) or () if t in stored), None)
+            if theirs is None:
+                continue
+            if self._is_transposed(name):
+                out[name] = lambda key=stored[theirs]: hf[key].t().contiguous()  # (in, out) -> (out, in)
+            else:
+                out[name] = StoredTensor(hf, stored[theirs])
+        if self.finish_sources is not None:
+            out = self.finish_sources(hf, model, out)
+        return out
+
+    # ------------------------------------------------------------------ to transformers
+    def state_dict_to_hf(self, sd: Mapping[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+        """dufu tensors -> the tensors of the transformers class ``model`` exports as."""
+        prefix = self.save_prefix(model)
+        out, fused = {}, {}
+        for name, t in sd.items():
+            if any(re.search(p, name) for p in self.not_saved):
+                continue
+            part = self._fused_part(name, model, prefix)
+            if part is not None:
+                rule, w, theirs = part
+                fused.setdefault(theirs, (rule, {}))[1][w] = t
+                continue
+            theirs = self.hf_names(name, model, prefix)
+            if theirs is None:
+                raise DufuError(f"{type(model).__name__} tensor {name!r} has no {self.model_type} name in "
+                                "transformers.")
+            out[theirs[0]] = t.t().contiguous() if self._is_transposed(name) else t
+        for theirs, (rule, parts) in fused.items():
+            if len(parts) != len(rule.parts):
+                raise DufuError(f"{theirs} fuses {len(rule.parts)} tensors but the state dict holds {len(parts)}.")
+            t = torch.cat([parts[w] for w in range(len(rule.parts))], dim=rule.dim)  # e.g. q | k | v: (3C, C)
+            out[theirs] = t.t().contiguous() if rule.transposed and t.dim() == 2 else t
+        for first, second in self.also_saved_as.items():
+            if first in out:
+                out[second] = out[first].clone()  # one tensor there, stored under both names
+        return out
+
+    def tied_hf_names(self, model: nn.Module) -> list[str]:
+        """Names not written because transformers ties them to the embedding on load."""
+        if not getattr(model, "tie_word_embeddings", False):
+            return []
+        names = self.hf_names(self.tied_head, model, self.save_prefix(model))
+        return [names[0]] if names else []
+
+
+def _fused_reader(hf: Mapping, key: str, rule: Fused, which: int) -> Callable[[], torch.Tensor]:
+    def read() -> torch.Tensor:
+        t = hf[key]
+        if rule.transposed and t.dim() == 2:
+            t = t.t()  # stored (in, n * out) -> (n * out, in)
+        return t.chunk(len(rule.parts), dim=rule.dim)[which].clone(memory_format=torch.contiguous_format)
+    return read
