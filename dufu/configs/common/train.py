@@ -33,7 +33,8 @@ train = dict(
     # a finished run can be resumed, converted and sampled. async_save: write in the background while training
     # goes on (torch DCP async_save).
     checkpointer=dict(period=1000, max_to_keep=3, async_save=False),
-    evaluation=dict(enabled=True, eval_period=500, eval_iter=20, eval_batch_size=None),
+    # Every eval_period steps (and at the last), the mean over eval_iter global batches of the validation set.
+    evaluation=dict(enabled=True, eval_period=500, eval_iter=20),
     generation=dict(
         enabled=False,
         prompts=["The "],
