@@ -1,39 +1,31 @@
-"""Fixtures for multi-process tests."""
+"""Single-process reference runs shared by the parity tests of this directory, each run once per session."""
 
 from __future__ import annotations
 
 import pytest
 
-from parallel_runs import PARITY_ARGS, assert_ok, final_model_state, losses, run_dufu
-
-
-@pytest.fixture(scope="session")
-def parity_reference(tmp_path_factory):
-    """Single-process reference runs, one per model depth used by the layouts."""
-    cache = {}
-
-    def get(num_layers: int = 2):
-        if num_layers not in cache:
-            out = tmp_path_factory.mktemp(f"reference_{num_layers}l")
-            assert_ok(run_dufu(out, 1, *PARITY_ARGS, f"model.num_layers={num_layers}"))
-            cache[num_layers] = (losses(out), final_model_state(out))
-        return cache[num_layers]
-
-    return get
+from parity import parity_run
 
 
 @pytest.fixture(scope="session")
 def recipe_reference(tmp_path_factory):
-    """Single-process reference runs of PARITY_ARGS for a recipe (and extra overrides), each run once:
-    ``recipe_reference("bert_debug")`` -> (losses, final model state)."""
+    """``recipe_reference("bert_debug", *overrides)`` -> the RunResult of PARITY_ARGS + overrides on one process."""
     cache = {}
 
     def get(recipe: str, *overrides: str):
         key = (recipe, *overrides)
         if key not in cache:
-            out = tmp_path_factory.mktemp(f"reference_{recipe}")
-            assert_ok(run_dufu(out, 1, *PARITY_ARGS, *overrides, config=recipe))
-            cache[key] = (losses(out), final_model_state(out))
+            cache[key] = parity_run(tmp_path_factory.mktemp(f"reference_{recipe}"), 1, *overrides, config=recipe)
         return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def parity_reference(recipe_reference):
+    """gpt_debug references by depth: ``parity_reference(2, *overrides)``."""
+
+    def get(num_layers: int = 2, *overrides: str):
+        return recipe_reference("gpt_debug", f"model.num_layers={num_layers}", *overrides)
 
     return get

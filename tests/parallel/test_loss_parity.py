@@ -1,14 +1,21 @@
 """The promise: every layout trains to the same numbers as one process.
 
-gpt_debug, fp32, fixed global batch 8, 5 steps: the logged losses equal the single-process losses within
-1e-5 relative, and the weights after the last step match.
+gpt_debug, fixed global batch 8, 5 steps, evaluated before and after training.
+
+* fp32, every layout: the logged training losses, eval_loss and eval_ppl equal the single-process ones within
+  1e-5 relative, and the weights after the last step match (tests/parity.py derives the bound).
+* bf16 and fp16 (autocast, fp32 master weights) in dp2, tp2, pp2 and dp2 ZeRO-3, each against one process in
+  the same dtype, within the tolerances derived for that arithmetic in tests/parity.py (PRECISIONS). fp16 runs
+  with dynamic loss scaling; the scaler's growth and backoff are checked in test_loss_scaling.py.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, run_dufu
+from parity import EVAL_ARGS, assert_matches_reference, parity_run
+
+pytestmark = pytest.mark.multiprocess
 
 DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 ZERO = "train.zero_optimization.enabled=True"
@@ -38,7 +45,28 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, parity_reference, tmp_path):
     nproc, layers, overrides = LAYOUTS[layout]
-    reference = parity_reference(layers)
-    out = tmp_path / layout
-    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, f"model.num_layers={layers}", *overrides))
-    assert_matches_reference(out, reference, layout)
+    reference = parity_reference(layers, *EVAL_ARGS)
+    got = parity_run(tmp_path / layout, nproc, f"model.num_layers={layers}", *EVAL_ARGS, *overrides)
+    assert sorted(got.evals) == [0, 5], f"{layout}: evaluations at steps {sorted(got.evals)}"
+    assert_matches_reference(got, reference, layout)
+
+
+# Mixed precision: 2 processes each; the single-process reference runs in the same dtype.
+PRECISION_LAYOUTS = {
+    "dp2": [DP2],
+    "tp2": [TP2],
+    "pp2": [PP2],
+    "dp2-zero3": [DP2, ZERO, "train.zero_optimization.stage=3"],
+}
+
+
+@pytest.mark.parametrize("layout", list(PRECISION_LAYOUTS))
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_mixed_precision_layout_matches_single_process(dtype, layout, parity_reference, tmp_path):
+    amp = ("train.amp.enabled=True", f"train.amp.dtype={dtype}")
+    reference = parity_reference(2, *amp)
+    got = parity_run(tmp_path / f"{dtype}-{layout}", 2, *amp, *PRECISION_LAYOUTS[layout])
+    if dtype == "fp16":  # dynamic loss scaling ran, and took the same decisions as one process
+        assert [r["loss_scale"] for r in got.train.values()] == [r["loss_scale"] for r in reference.train.values()]
+        assert [r["skipped_steps"] for r in got.train.values()] == [r["skipped_steps"] for r in reference.train.values()]
+    assert_matches_reference(got, reference, f"{dtype} {layout}", precision=dtype)

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from dufu_testing import train
-from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, final_model_state, losses, run_dufu
+import launch
+from parity import PARITY_ARGS, assert_matches_reference, collect, losses, parity_run
 
 DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 
@@ -24,8 +25,8 @@ LLAMA_LAYOUTS = {
 }
 
 
-def assert_same_run(out, ref_out, what: str) -> None:
-    assert_matches_reference(out, (losses(ref_out), final_model_state(ref_out)), what)
+def assert_same_run(got, ref_out, what: str) -> None:
+    assert_matches_reference(got, collect(ref_out), what)
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +39,8 @@ def llama_reference(tmp_path_factory, dufu_cache_dir):
 @pytest.mark.parametrize("layout", list(LLAMA_LAYOUTS))
 def test_llama_layout_matches_single_process(layout, llama_reference, tmp_path):
     nproc, overrides = LLAMA_LAYOUTS[layout]
-    out = tmp_path / layout
-    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, *overrides, config="llama_debug"))
-    assert_same_run(out, llama_reference, f"llama_debug {layout}")
+    got = parity_run(tmp_path / layout, nproc, *overrides, config="llama_debug")
+    assert_same_run(got, llama_reference, f"llama_debug {layout}")
 
 
 @pytest.fixture(scope="module")
@@ -94,18 +94,14 @@ PRETRAINED_LAYOUTS = {
 def test_gpt2_weights_from_transformers_train_in_parallel_layouts(layout, gpt2_hf_dir, gpt2_hf_reference, tmp_path):
     path, _ = gpt2_hf_dir
     nproc, overrides = PRETRAINED_LAYOUTS[layout]
-    out = tmp_path / layout
-    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, f"model.pretrained={path}", *overrides, config="gpt_debug"))
-    assert_same_run(out, gpt2_hf_reference, f"GPT-2 from transformers, {layout}")
+    got = parity_run(tmp_path / layout, nproc, f"model.pretrained={path}", *overrides, config="gpt_debug")
+    assert_same_run(got, gpt2_hf_reference, f"GPT-2 from transformers, {layout}")
 
 
 def test_each_rank_reads_only_the_pretrained_tensors_it_holds(gpt2_hf_dir, tmp_path):
     """pp2 x tp2 from transformers weights: a stage reads no tensor of the other stage's blocks, a sharded
     tensor stored as-is is read as the rank's block only, and the run still starts from those weights (the
     first loss is the transformers model's)."""
-    import os
-    import subprocess
-    import sys
     from pathlib import Path
 
     path, hf_model = gpt2_hf_dir
@@ -113,11 +109,9 @@ def test_each_rank_reads_only_the_pretrained_tensors_it_holds(gpt2_hf_dir, tmp_p
     reads.mkdir()
     out = tmp_path / "pp2xtp2"
     worker = Path(__file__).with_name("record_reads.py")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(worker),
-           "train", "gpt_debug", f"train.output_dir={out}", *PARITY_ARGS, f"model.pretrained={path}", PP2, TP2]
-    env = dict(os.environ, OMP_NUM_THREADS="1", DUFU_TEST_READS=str(reads))
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=env)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    cmd = launch.torchrun_command(worker, 4, "train", "gpt_debug", f"train.output_dir={out}", *PARITY_ARGS,
+                                  f"model.pretrained={path}", PP2, TP2)
+    launch.assert_ok(launch.run(cmd, output_dir=out, scratch=[reads], env={"DUFU_TEST_READS": str(reads)}))
     assert losses(out)[0] == pytest.approx(first_batch_loss(hf_model), rel=1e-5)
     layers = hf_model.config.n_layer
     first_half = tuple(f"transformer.h.{i}." for i in range(layers // 2))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, run_dufu
+from parity import assert_matches_reference, parity_run
 
 # id: (recipe, processes, overrides)
 LAYOUTS = {
@@ -48,6 +48,5 @@ def test_zoo_layout_matches_single_process(layout, recipe_reference, tmp_path):
     recipe, nproc, overrides = LAYOUTS[layout]
     config, model_overrides = recipe_args(recipe)
     reference = recipe_reference(config, *model_overrides)
-    out = tmp_path / layout
-    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, *model_overrides, *overrides, config=config))
-    assert_matches_reference(out, reference, layout)
+    got = parity_run(tmp_path / layout, nproc, *model_overrides, *overrides, config=config)
+    assert_matches_reference(got, reference, layout)

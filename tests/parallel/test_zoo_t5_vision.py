@@ -3,7 +3,8 @@
 Each model's debug recipe, fp32, fixed global batch 8, 5 steps (as tests/parallel/test_loss_parity.py): the
 logged losses equal the single-process losses within 1e-5 relative, and so do the weights after the last step.
 
-* ViT: tensor parallel 2 and pipeline parallel 2 (1F1B; stages pass the (B, 1 + N, C) hidden states).
+* ViT: data parallel 2, tensor parallel 2 and pipeline parallel 2 (1F1B; stages pass the (B, 1 + N, C) hidden
+  states), evaluated before and after training: eval_loss, eval_ppl and eval_accuracy equal one process's.
 * Swin: tensor parallel 2 (the relative-bias tables split by head) and pipeline parallel 2 (the stages meet
   after patch merging, passing (B, 4*4, 2C)).
 * T5: tensor parallel 2 (relative-bias tables split by head, vocabulary-parallel embedding and head), and
@@ -18,12 +19,13 @@ from __future__ import annotations
 
 import pytest
 
-from parallel_runs import PARITY_ARGS, assert_matches_reference, assert_ok, run_dufu
+from parity import EVAL_ARGS, assert_matches_reference, parity_run
 
 TP2, PP2 = "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 
 # id: (recipe, processes, overrides)
 LAYOUTS = {
+    "vit-dp2": ("vit_debug", 2, ["train.dist.data_parallel_size=2"]),
     "vit-tp2": ("vit_debug", 2, [TP2]),
     "vit-pp2": ("vit_debug", 2, [PP2]),
     "swin-tp2": ("swin_debug", 2, [TP2]),
@@ -34,12 +36,16 @@ LAYOUTS = {
                                            "train.dist.virtual_pipeline_size=2"]),
     "t5-pp2-tp2": ("t5_debug", 4, [PP2, TP2, "train.dist.custom_pipeline_stage_id=[0,1,1,1]"]),
 }
+# Recipes evaluated too (a classifier: eval_accuracy besides eval_loss and eval_ppl).
+EVALUATED = {"vit_debug"}
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_layout_matches_single_process(layout, recipe_reference, tmp_path):
     recipe, nproc, overrides = LAYOUTS[layout]
-    reference = recipe_reference(recipe)
-    out = tmp_path / layout
-    assert_ok(run_dufu(out, nproc, *PARITY_ARGS, *overrides, config=recipe))
-    assert_matches_reference(out, reference, layout)
+    evaluation = EVAL_ARGS if recipe in EVALUATED else ()
+    reference = recipe_reference(recipe, *evaluation)
+    got = parity_run(tmp_path / layout, nproc, *evaluation, *overrides, config=recipe)
+    if evaluation:
+        assert sorted(got.evals) == [0, 5] and "eval_accuracy" in got.evals[5], got.evals
+    assert_matches_reference(got, reference, layout)

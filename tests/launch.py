@@ -1,0 +1,223 @@
+"""The one way tests start processes: ``dufu train`` (one process or dufu's own torchrun launcher), torchrun
+workers, and ``python -m dufu ...``.
+
+Every process started through :func:`run` or :func:`start`
+
+* runs with one OpenMP thread and dufu importable (``PYTHONPATH``), without a parent torchrun's or a test's
+  ``RANK``/``WORLD_SIZE``/``MASTER_*``/``DUFU_FAULT`` (a fault is passed explicitly: ``fault=``);
+* runs in a session of its own; when it ends or times out, the whole session is killed, and so are workers that
+  torchrun started in sessions of their own (found by the run's unique ``output_dir`` on their command line);
+  nothing outlives the test session (:func:`stop_all`);
+* on a timeout, returns what it printed so far plus a line saying it was killed, instead of raising;
+* is retried once, with a warning, when a process died by SIGSEGV/SIGABRT without an injected fault: gloo on an
+  overloaded CPU occasionally kills a rank that way (about once per hundred launches, never twice in a row). A
+  failure that repeats is reported as it is. Directories the run writes (``output_dir``, ``scratch``) are
+  emptied before the retry.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+REPO = Path(__file__).resolve().parent.parent
+
+# Variables a test process may have that must not leak into a job: a job is its own (torchrun) world.
+_PRIVATE_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_RUN_ID", "DUFU_FAULT")
+
+
+# ------------------------------------------------------------------------------------------ commands
+
+
+def dufu_command(*args) -> list[str]:
+    """``python -m dufu ARGS``."""
+    return [sys.executable, "-m", "dufu", *map(str, args)]
+
+
+def train_command(config, output_dir, nproc: int = 1, *overrides: str, resume: bool = False,
+                  flags: Sequence[str] = ()) -> list[str]:
+    """``python -m dufu train CONFIG [--nproc N] [--resume] [flags] train.output_dir=... overrides``."""
+    cmd = dufu_command("train", config)
+    if nproc > 1:
+        cmd += ["--nproc", str(nproc)]
+    if resume:
+        cmd.append("--resume")
+    return cmd + [*flags, f"train.output_dir={output_dir}", *overrides]
+
+
+def torchrun_command(script, nproc: int, *args) -> list[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node=N SCRIPT ARGS`` (a worker script)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
+            *map(str, args)]
+
+
+# ------------------------------------------------------------------------------------------ results
+
+
+@dataclass
+class Proc:
+    """A finished process: exit code, output, wall time and when it ended (``time.time()``)."""
+
+    cmd: list[str]
+    returncode: int
+    stdout: str
+    stderr: str
+    seconds: float
+    ended: float
+    output_dir: Optional[Path] = None
+    timed_out: bool = False
+
+    @property
+    def output(self) -> str:
+        return self.stdout + "\n" + self.stderr
+
+    def describe(self) -> str:
+        return (f"$ {' '.join(map(str, self.cmd))}\nexit {self.returncode} after {self.seconds:.0f} s"
+                f"{' (timed out)' if self.timed_out else ''}\n"
+                f"STDOUT (end):\n{self.stdout[-3000:]}\nSTDERR (end):\n{self.stderr[-6000:]}")
+
+
+def assert_ok(proc: Proc) -> None:
+    assert proc.returncode == 0, proc.describe()
+
+
+# ------------------------------------------------------------------------------------------ running
+
+
+def run(cmd: Sequence, *, timeout: float = 600, output_dir=None, scratch: Sequence = (), cwd=None,
+        env: Optional[dict] = None, fault: Optional[str] = None, retry: Optional[bool] = None) -> Proc:
+    """Run ``cmd`` to the end (see the module docstring). ``env`` adds variables; ``fault`` sets ``DUFU_FAULT``;
+    ``retry`` (default: when no fault is injected) allows the one retry after a death by signal."""
+    cmd = [str(c) for c in cmd]
+    proc = _run_once(cmd, timeout, output_dir, cwd, env, fault)
+    if (fault is None if retry is None else retry) and _died_by_signal(proc):
+        warnings.warn(f"a process died by a signal; retrying once: {' '.join(cmd[:8])} ...\n{proc.stderr[-1500:]}")
+        for d in (output_dir, *scratch):
+            if d is not None and Path(d).exists():
+                shutil.rmtree(d, ignore_errors=True)
+                if d in scratch:
+                    Path(d).mkdir(parents=True)
+        proc = _run_once(cmd, timeout, output_dir, cwd, env, fault)
+    return proc
+
+
+class Started:
+    """A process running in the background (:func:`start`); ``result()`` waits for its :class:`Proc`."""
+
+    def __init__(self, cmd, **kwargs):
+        self._proc: Optional[Proc] = None
+        self._error: Optional[BaseException] = None
+        self._thread = threading.Thread(target=self._main, args=(cmd, kwargs), daemon=True)
+        self._thread.start()
+
+    def _main(self, cmd, kwargs):
+        try:
+            self._proc = run(cmd, **kwargs)
+        except BaseException as e:  # reported to whoever waits
+            self._error = e
+
+    def result(self) -> Proc:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._proc
+
+
+def start(cmd: Sequence, **kwargs) -> Started:
+    """:func:`run` in a background thread: for independent jobs that mostly wait (imports, rendezvous)."""
+    return Started(cmd, **kwargs)
+
+
+def _child_env(extra: Optional[dict], fault: Optional[str]) -> dict:
+    env = dict(os.environ)
+    for key in _PRIVATE_ENV:
+        env.pop(key, None)
+    env["OMP_NUM_THREADS"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
+    if fault:
+        env["DUFU_FAULT"] = fault
+    env.update(extra or {})
+    return env
+
+
+def _run_once(cmd: list[str], timeout: float, output_dir, cwd, env, fault) -> Proc:
+    start_time = time.monotonic()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=_child_env(env, fault), cwd=cwd, start_new_session=True)
+    live = (proc, str(output_dir) if output_dir is not None else None)
+    with _LIVE_LOCK:
+        _LIVE.add(live)
+    timed_out = False
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _end(*live)
+        out, err = proc.communicate()
+        err += f"\n[test harness: killed after {timeout:.0f} s]"
+    finally:
+        with _LIVE_LOCK:
+            _LIVE.discard(live)
+        seconds, ended = time.monotonic() - start_time, time.time()
+        _end(*live)
+    return Proc(cmd, proc.returncode, out, err, seconds, ended, Path(output_dir) if output_dir is not None else None,
+                timed_out)
+
+
+def _died_by_signal(proc: Proc) -> bool:
+    """A rank (or the process itself) ended by SIGSEGV or SIGABRT, not by the harness."""
+    if proc.timed_out or proc.returncode == 0:
+        return False
+    if proc.returncode in (-signal.SIGSEGV, -signal.SIGABRT):
+        return True
+    return any(f"exitcode: -{int(sig)}" in proc.stderr for sig in (signal.SIGSEGV, signal.SIGABRT)) \
+        or "terminate called" in proc.stderr
+
+
+_LIVE: set = set()  # (Popen, output_dir) of the processes in progress
+_LIVE_LOCK = threading.Lock()
+
+
+def _end(proc: subprocess.Popen, output_dir: Optional[str]) -> None:
+    """Nothing of a run outlives it: its session, and torchrun workers in sessions of their own."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if output_dir is not None:
+        _kill_processes_with_argument(f"train.output_dir={output_dir}")
+
+
+def stop_all() -> None:
+    """End every process still in progress (at the end of the test session)."""
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for entry in live:
+        _end(*entry)
+
+
+def _kill_processes_with_argument(argument: str) -> None:
+    """SIGKILL processes running with this exact command-line argument (a run's unique output_dir), e.g. a
+    worker orphaned when its torchrun agent was killed."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            args = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if argument.encode() in args:
+            try:
+                os.kill(int(entry.name), signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
