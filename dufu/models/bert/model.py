@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dufu.layers import (
@@ -38,6 +37,7 @@ from dufu.layers import (
     TokenTypeEmbedding,
     VocabEmbedding,
 )
+from dufu.layers.loss import masked_lm_loss, sequence_classification_loss
 from dufu.layers.mlp import _ACTIVATIONS
 from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
@@ -48,23 +48,6 @@ class EncoderOutput(ModelOutput):
     """``ModelOutput`` plus BERT's pooled first-token vector (``pooler_output``, as transformers names it)."""
 
     pooler_output: Optional[torch.Tensor] = None
-
-
-def masked_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean cross entropy over the labelled (masked) tokens, in fp32; unmasked positions carry -100.
-    Also the loss of a pipeline's last stage (``BertForMaskedLM.pipeline_loss``)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
-
-
-def sequence_classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """transformers' rule: one output is regression (MSE); integer labels are single-label classification
-    (cross entropy); float labels with several outputs are multi-label (binary cross entropy per label)."""
-    logits = logits.float()
-    if logits.shape[-1] == 1:
-        return F.mse_loss(logits.squeeze(-1), labels.float().view(-1))
-    if labels.dtype in (torch.int64, torch.int32, torch.int16, torch.uint8):
-        return F.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
-    return F.binary_cross_entropy_with_logits(logits, labels.float())
 
 
 class BertLayer(nn.Module):

@@ -13,10 +13,10 @@ import math
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dufu.layers import KVCache, LayerNorm, Linear, PositionEmbedding, TransformerLayer, VocabEmbedding
+from dufu.layers.loss import causal_lm_loss
 from dufu.models.outputs import ModelOutput
 from dufu.models.base import InitByModule
 
@@ -149,12 +149,6 @@ class GPTModel(InitByModule, nn.Module):
         if self.lm_head is not None:
             h = self.lm_head(h)  # (B, T, V)
         return h
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """Mean token cross entropy, computed in fp32. ``labels`` are already shifted (next-token ids).
-    Also the loss of a pipeline's last stage (``GPTModel.pipeline_loss``)."""
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)
 
 
 GPTModel.pipeline_loss = staticmethod(causal_lm_loss)

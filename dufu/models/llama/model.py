@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dufu.layers import Attention, GatedMLP, KVCache, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
-from dufu.models.gpt.model import causal_lm_loss
+from dufu.layers.loss import causal_lm_loss
 from dufu.models.outputs import ModelOutput
 from dufu.models.base import InitByModule
 

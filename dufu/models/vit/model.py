@@ -15,10 +15,10 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dufu.layers import MLP, Attention, LayerNorm, Linear
+from dufu.layers.loss import classification_loss
 from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
 
@@ -160,12 +160,6 @@ class ViTForImageClassification(InitByModule, nn.Module):
             return logits
         loss = classification_loss(logits, labels) if labels is not None else None
         return ModelOutput(loss=loss, logits=logits)
-
-
-def classification_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross entropy in fp32 of (B, classes) logits against (B,) labels (-100 ignored).
-    Also the loss of a pipeline's last stage (``pipeline_loss``)."""
-    return F.cross_entropy(logits.float(), labels.flatten())
 
 
 ViTForImageClassification.pipeline_loss = staticmethod(classification_loss)
