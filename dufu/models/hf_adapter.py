@@ -12,7 +12,7 @@ A family states, as data:
 * ``transforms``: the tensors that are not stored as-is, each a :class:`Transposed` or :class:`Fused` rule
   that works in both directions;
 * ``load_renames``: regex rewrites from the names other transformers versions store to the table's names;
-* ``config_from_hf`` / ``config_to_hf``: the config map (see :class:`ConfigKey` for the plain keys).
+* ``config_from_hf`` / ``config_to_hf``: the config conversion, still a function per family.
 
 Reading is lazy: a tensor stored as-is becomes a :class:`dufu.models.hub.StoredTensor` (so a
 tensor-parallel or ZeRO rank reads only its block), a transformed one a zero-argument callable that reads
@@ -23,15 +23,12 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Callable, Mapping, Optional, Sequence
 
 import torch
 from torch import nn
 
 from dufu.errors import DufuError
-
-_MISSING = object()
-
 
 def _compile(pattern: str) -> re.Pattern:
     """A dufu-side pattern as a regex: ``{name}`` placeholders match integers, and a module prefix matches
@@ -64,43 +61,6 @@ class Fused:
     stored: str             # the transformers module pattern
     dim: int = 0
     transposed: bool = False
-
-
-@dataclass(frozen=True)
-class ConfigKey:
-    """One constructor argument <-> one transformers config key: ``default`` when the key is absent (no
-    default: required), ``from_hf`` / ``to_hf`` convert values, ``read`` gets the value from a model
-    (default: the attribute named like the argument)."""
-
-    dufu: str
-    hf: str
-    default: Any = _MISSING
-    from_hf: Optional[Callable[[Any], Any]] = None
-    to_hf: Optional[Callable[[Any], Any]] = None
-    read: Optional[Callable[[nn.Module], Any]] = None
-
-
-def config_from_keys(keys: Sequence[ConfigKey], hf: Mapping) -> dict:
-    """Constructor arguments from a transformers config dict through a config map."""
-    out = {}
-    for k in keys:
-        if k.hf in hf and hf[k.hf] is not None:
-            value = hf[k.hf]
-        elif k.default is not _MISSING:
-            value = k.default(hf) if callable(k.default) else k.default
-        else:
-            raise DufuError(f"the transformers config has no {k.hf!r}, which dufu needs for {k.dufu}.")
-        out[k.dufu] = k.from_hf(value) if k.from_hf is not None and value is not None else value
-    return out
-
-
-def config_to_keys(keys: Sequence[ConfigKey], model: nn.Module) -> dict:
-    """The transformers config keys of ``model`` through a config map."""
-    out = {}
-    for k in keys:
-        value = k.read(model) if k.read is not None else getattr(model, k.dufu)
-        out[k.hf] = k.to_hf(value) if k.to_hf is not None else value
-    return out
 
 
 @dataclass
