@@ -6,14 +6,13 @@
 * ``debug_run``: one complete 10-step run (checkpoints at steps 5 and 10, evaluation, TensorBoard,
   generation), trained once per session; tests that change it work on a copy (``copy_run``).
 * ``run_cli``: ``python -m dufu ...`` in a subprocess, for the few tests where the exit code and
-  stderr of a real process matter.
+  stderr of a real process matter. Every test starts processes through tests/launch.py.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +21,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `import dufu_testing` from any test directory
 
-from dufu_testing import DEBUG_RUN_OVERRIDES, REPO, Run, train  # noqa: E402
+import launch  # noqa: E402
+from dufu_testing import DEBUG_RUN_OVERRIDES, Run, train  # noqa: E402
 
 # The tiny models of these tests gain nothing from a second thread, and when other processes share
 # the machine, OpenMP's spinning threads slow every small kernel down many times over.
@@ -72,13 +72,16 @@ def copy_run(debug_run, tmp_path):
 
 @pytest.fixture
 def run_cli(tmp_path):
-    """``run_cli(*args, cwd=tmp_path)``: ``python -m dufu *args`` in a subprocess -> CompletedProcess."""
+    """``run_cli(*args, cwd=tmp_path)``: ``python -m dufu *args`` in a subprocess (tests/launch.py) -> launch.Proc
+    (``returncode``, ``stdout``, ``stderr``)."""
 
-    def run(*args, cwd=None, timeout: float = 120) -> subprocess.CompletedProcess:
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-        return subprocess.run(
-            [sys.executable, "-m", "dufu", *map(str, args)],
-            cwd=cwd or tmp_path, env=env, capture_output=True, text=True, timeout=timeout,
-        )
+    def run(*args, cwd=None, timeout: float = 120) -> launch.Proc:
+        return launch.run(launch.dufu_command(*args), cwd=cwd or tmp_path, timeout=timeout)
 
     return run
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_process_outlives_the_session():
+    yield
+    launch.stop_all()

@@ -12,7 +12,8 @@ Every process started through :func:`run` or :func:`start`
 * is retried once, with a warning, when a process died by SIGSEGV/SIGABRT without an injected fault: gloo on an
   overloaded CPU occasionally kills a rank that way (about once per hundred launches, never twice in a row). A
   failure that repeats is reported as it is. Directories the run writes (``output_dir``, ``scratch``) are
-  emptied before the retry.
+  emptied before the retry; a run into an ``output_dir`` that existed before it (a resume) is not retried, since
+  its starting state is gone.
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def run(cmd: Sequence, *, timeout: float = 600, output_dir=None, scratch: Sequen
     """Run ``cmd`` to the end (see the module docstring). ``env`` adds variables; ``fault`` sets ``DUFU_FAULT``;
     ``retry`` (default: when no fault is injected) allows the one retry after a death by signal."""
     cmd = [str(c) for c in cmd]
+    fresh = output_dir is None or not Path(output_dir).exists()
     proc = _run_once(cmd, timeout, output_dir, cwd, env, fault)
-    if (fault is None if retry is None else retry) and _died_by_signal(proc):
+    if (fault is None if retry is None else retry) and fresh and _died_by_signal(proc):
         warnings.warn(f"a process died by a signal; retrying once: {' '.join(cmd[:8])} ...\n{proc.stderr[-1500:]}")
         for d in (output_dir, *scratch):
             if d is not None and Path(d).exists():

@@ -192,7 +192,8 @@ def assert_matches_reference(got: "RunResult | Path", reference: RunResult, what
         assert got.train[s]["lr"] == ref["lr"], f"{what}: step {s} lr {got.train[s]['lr']} != {ref['lr']}"
     assert_evaluations_match(got, reference, what, tol.loss_rel)
     if reference.state is not None:
-        assert_weights_match(got.state, reference, what, precision)
+        assert_weights_match(got.state, reference.state, what, reference.lrs, reference.betas, reference.weight_decay,
+                             precision)
 
 
 def assert_evaluations_match(got: RunResult, reference: RunResult, what: str, rel: float = 1e-5) -> None:
@@ -232,7 +233,17 @@ def adam_ratio_bound(t: int, beta1: float, beta2: float) -> float:
 ROUNDOFF_ONLY = ("k_proj.bias",)
 
 
-def assert_weights_match(state: dict, reference: RunResult, what: str, precision: str = "fp32") -> None:
+def assert_checkpoint_matches(state: dict, reference_dir, step: int, what: str) -> None:
+    """``state`` (weights after ``step`` steps) equals the step-``step`` checkpoint of the fp32 run in
+    ``reference_dir``, within assert_weights_match's bound for that run's learning rates."""
+    ref = collect(reference_dir, weights=False)
+    ref_state = consolidated_state(Path(reference_dir) / "checkpoints" / f"step_{step:07d}")
+    lrs = [ref.train[s]["lr"] for s in range(1, step + 1)]
+    assert_weights_match(state, ref_state, what, lrs, ref.betas, ref.weight_decay)
+
+
+def assert_weights_match(state: dict, ref_state: dict, what: str, lrs, betas=(0.9, 0.999), weight_decay: float = 0.0,
+                         precision: str = "fp32") -> None:
     """Final weights equal the reference's within what AdamW lets reduction order change.
 
     Derivation. AdamW moves a weight at step t by lr_t * m_hat/(sqrt(v_hat)+eps) (+ lr_t*wd*w, the same in both
@@ -255,18 +266,17 @@ def assert_weights_match(state: dict, reference: RunResult, what: str, precision
        apply to ROUNDOFF_ONLY parameters.
     """
     tol = PRECISIONS[precision]
-    lrs = reference.lrs
-    b1, b2 = reference.betas
+    lrs = list(lrs)
+    b1, b2 = betas
     total_lr = sum(lrs)
     reach = sum(lr * adam_ratio_bound(t, b1, b2) for t, lr in enumerate(lrs, start=1))
-    assert set(state) == set(reference.state), \
-        f"{what}: parameters differ: {sorted(set(state) ^ set(reference.state))[:10]}"
-    for name, ref in reference.state.items():
+    assert set(state) == set(ref_state), f"{what}: parameters differ: {sorted(set(state) ^ set(ref_state))[:10]}"
+    for name, ref in ref_state.items():
         got = state[name]
         assert got.shape == ref.shape, f"{what}: {name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
         got, ref = got.double(), ref.double()
         diff = (got - ref).abs()
-        hard = 2 * (reach + total_lr * reference.weight_decay * ref.abs().max().item())
+        hard = 2 * (reach + total_lr * weight_decay * (ref.abs().max().item() if ref.numel() else 0.0))
         worst = diff.max().item() if diff.numel() else 0.0
         assert worst <= hard, (
             f"{what}: {name}: greatest difference {worst:.3g} at {_where(diff)} exceeds {hard:.3g}, the most two "

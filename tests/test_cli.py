@@ -51,8 +51,6 @@ ERROR_CASES = [
      ["global_batch_size 10", "train_micro_batch_size 4 x data_parallel_size 1 = 4"]),
     ("missing data", "gpt_debug", ["dataloader.train.data_path=/nonexistent.txt"],
      ["'/nonexistent.txt' does not exist"]),
-    ("warmup longer than run", "gpt_debug", ["train.train_iter=1"],
-     ["train.scheduler.warmup_iter = 2 is longer than the run (train.train_iter = 1)"]),
     ("unreadable tokenizer", "gpt_debug",
      ["tokenization.tokenizer.kind=pretrained", "tokenization.tokenizer.path={garbage}"],
      ["{garbage} could not be read as a tokenizer.json"]),

@@ -1,7 +1,8 @@
 """Helpers for the checkpoint and fault-handling tests: real `dufu train` processes, run in the background.
 
 Every run here is `python -m dufu train ...` in a subprocess (through dufu's own torchrun launcher for
-``--nproc N``), because what is tested is what a user sees: exit codes, messages, files on disk. The
+``--nproc N``), started by tests/launch.py, because what is tested is what a user sees: exit codes, messages,
+files on disk. The
 runs are expensive on a small CPU machine, so a :class:`JobPool` starts them in the background as soon
 as the session knows it needs them (at most ``DUFU_TEST_JOBS``, default 2, at a time), respecting
 dependencies (a resume needs the run it resumes); a test then waits for the result it needs.
@@ -9,20 +10,14 @@ dependencies (a resume needs the run it resumes); a test then waits for the resu
 
 from __future__ import annotations
 
-import json
-import math
-import os
 import re
-import signal
-import subprocess
-import sys
 import threading
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-REPO = Path(__file__).resolve().parents[2]
+from launch import REPO, Proc, assert_ok, run, stop_all, train_command  # noqa: F401  (the tests import them here)
+from parity import assert_losses_match, consolidated_state, records, train_records  # noqa: F401
 
 # Every run: gpt_debug (fp32, no dropout), 10 steps, checkpoints at 5 and 10, and the same global batch,
 # so every layout sees the same samples in the same order and reaches the same weights.
@@ -69,113 +64,6 @@ def layout(name: str) -> tuple[int, tuple[str, ...]]:
     return nproc, tuple(overrides)
 
 
-def train_command(config, output_dir, nproc: int, *overrides: str, resume: bool = False,
-                  flags: tuple[str, ...] = ()) -> list[str]:
-    """``python -m dufu train CONFIG [--nproc N] [--resume] [flags] train.output_dir=... overrides``."""
-    cmd = [sys.executable, "-m", "dufu", "train", str(config)]
-    if nproc > 1:
-        cmd += ["--nproc", str(nproc)]
-    if resume:
-        cmd.append("--resume")
-    return cmd + [*flags, f"train.output_dir={output_dir}", *overrides]
-
-
-@dataclass
-class Proc:
-    """A finished subprocess: exit code, output, wall time and when it ended (``time.time()``)."""
-
-    cmd: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
-    seconds: float
-    ended: float
-    output_dir: Optional[Path] = None
-
-    @property
-    def output(self) -> str:
-        return self.stdout + "\n" + self.stderr
-
-    def describe(self) -> str:
-        return (f"$ {' '.join(self.cmd)}\nexit {self.returncode} after {self.seconds:.0f} s\n"
-                f"STDOUT (end):\n{self.stdout[-3000:]}\nSTDERR (end):\n{self.stderr[-6000:]}")
-
-
-def run(cmd: list[str], fault: Optional[str] = None, timeout: float = 900, output_dir=None,
-        cwd=None) -> Proc:
-    """Run ``cmd`` in its own session (one thread per process, dufu importable, ``DUFU_FAULT=fault``)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    env.pop("DUFU_FAULT", None)
-    if fault:
-        env["DUFU_FAULT"] = fault
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            cwd=cwd, start_new_session=True)
-    live = (proc, output_dir)
-    with _LIVE_LOCK:
-        _LIVE.add(live)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_session(proc.pid)
-        out, err = proc.communicate()
-        err += f"\n[test harness: killed after {timeout} s]"
-    finally:
-        with _LIVE_LOCK:
-            _LIVE.discard(live)
-        seconds, ended = time.monotonic() - start, time.time()
-        _end_run(proc.pid, output_dir)
-    return Proc(cmd, proc.returncode, out, err, seconds, ended, Path(output_dir) if output_dir else None)
-
-
-_LIVE: set = set()  # (Popen, output_dir) of the runs in progress
-_LIVE_LOCK = threading.Lock()
-
-
-def _end_run(pid: int, output_dir) -> None:
-    """Nothing of a run outlives it: its launcher's session, and workers that torchrun started in sessions
-    of their own (found by the run's unique output_dir on their command line)."""
-    _kill_session(pid)
-    if output_dir is not None:
-        _kill_leftover_workers(f"train.output_dir={output_dir}")
-
-
-def stop_all_runs() -> None:
-    """End every run still in progress (at the end of the test session)."""
-    with _LIVE_LOCK:
-        live = list(_LIVE)
-    for proc, output_dir in live:
-        _end_run(proc.pid, output_dir)
-
-
-def _kill_session(pid: int) -> None:
-    try:
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
-def _kill_leftover_workers(argument: str) -> None:
-    """SIGKILL processes still running with this exact command-line argument (a run's unique output_dir),
-    e.g. a worker orphaned when its torchrun agent was killed."""
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            args = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if argument.encode() in args:
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def assert_ok(proc: Proc) -> None:
-    assert proc.returncode == 0, proc.describe()
-
-
 def error_text(proc: Proc) -> str:
     """The paragraphs dufu printed as ``error: ...`` (each rank's), joined into one line each."""
     text = proc.stderr
@@ -192,29 +80,6 @@ def error_text(proc: Proc) -> str:
 
 
 # ------------------------------------------------------------------------------------------ results
-
-
-def records(output_dir) -> list[dict]:
-    path = Path(output_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def train_records(output_dir) -> dict[int, dict]:
-    """{step: training record}; a step logged twice (e.g. a resume that did not trim the log) fails."""
-    out = {}
-    for r in records(output_dir):
-        if "loss" in r:
-            assert r["step"] not in out, f"step {r['step']} logged twice in {output_dir}/metrics.jsonl"
-            out[r["step"]] = r
-    return out
-
-
-def assert_losses_match(output_dir, reference: dict[int, float], steps, rel: float = 1e-5) -> None:
-    got = train_records(output_dir)
-    for s in steps:
-        assert s in got, f"step {s} missing from {output_dir}/metrics.jsonl (has {sorted(got)})"
-        a, b = got[s]["loss"], reference[s]
-        assert math.isfinite(a) and abs(a - b) <= rel * abs(b), f"step {s}: loss {a} != reference {b} (rel {rel})"
 
 
 def checkpoint_names(output_dir) -> list[str]:
@@ -347,7 +212,7 @@ class JobPool:
                 job.state, job.error = "failed", JobFailed(f"{name}: the test session ended")
                 job.done.set()
             self.queue.clear()
-        stop_all_runs()
+        stop_all()
 
     def result(self, name: str):
         self.want([name], front=True)

@@ -16,12 +16,14 @@ import torch
 from checkpoint_runs import (
     COMMON, assert_losses_match, assert_ok, checkpoint_names, consolidated, layout, train_records,
 )
+from parity import assert_checkpoint_matches
 
 STEP5, STEP10 = "step_0000005", "step_0000010"
 
 
 # The single-process background save warns (from its own thread) that it runs without a process group.
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+pytestmark = [pytest.mark.multiprocess,
+              pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")]
 
 
 def assert_states_equal(a: dict, b: dict, what: str) -> None:
@@ -98,10 +100,7 @@ def test_multi_process_async_run_matches_the_single_process_run_and_resumes(jobs
     proc = async_run(jobs)
     assert_losses_match(proc.output_dir, reference.losses, range(1, 11))
     final = consolidated(proc.output_dir / "checkpoints" / STEP10)
-    single = consolidated(reference.output_dir / "checkpoints" / STEP10)
-    assert set(final) == set(single)
-    for k in single:
-        torch.testing.assert_close(final[k], single[k], rtol=1e-5, atol=1e-5, msg=k)
+    assert_checkpoint_matches(final, reference.output_dir, 10, "async dp 2 x tp 2, step 10")
     # continue from the step-5 checkpoint, written while steps 6.. ran, in one process
     out = tmp_path / "run"
     shutil.copytree(proc.output_dir, out)

@@ -13,6 +13,9 @@ import pytest
 import torch
 
 from checkpoint_runs import assert_ok, consolidated, run
+from parity import assert_checkpoint_matches
+
+pytestmark = pytest.mark.multiprocess
 
 CKPT = ("checkpoints", "step_0000010")
 
@@ -37,11 +40,8 @@ def test_to_torch_gives_the_single_process_weights(jobs, reference, tmp_path):
     proc = convert(ckpt, "--to-torch", out)
     assert_ok(proc)
     state = torch.load(out, weights_only=True)
-    single = reference.trainer.model.state_dict()  # run A's final weights, straight from its trainer
-    assert set(state) == set(single)
-    for k, v in single.items():
-        assert state[k].shape == v.shape, k
-        torch.testing.assert_close(state[k], v, rtol=1e-5, atol=1e-5, msg=k)
+    # run A's weights after its 10 steps (its own last checkpoint), within what AdamW lets layouts differ by
+    assert_checkpoint_matches(state, reference.output_dir, 10, "dufu convert --to-torch of the tp 2 x pp 2 run")
 
 
 @pytest.mark.checkpoint_jobs("resume_tp2_pp2")

@@ -20,9 +20,12 @@ from torch.distributed.checkpoint.api import CheckpointException
 from checkpoint_runs import (
     assert_losses_match, assert_ok, checkpoint_names, consolidated, layout, run, train_command, train_records,
 )
+from parity import assert_checkpoint_matches
 from dufu.engine.checkpoint import MANIFEST, Checkpointer
 from dufu.errors import CheckpointError
 from dufu_testing import snapshot
+
+pytestmark = pytest.mark.multiprocess
 
 STEP5, STEP10 = "step_0000005", "step_0000010"
 
@@ -47,10 +50,7 @@ def test_kill_during_a_save_keeps_the_last_checkpoint_and_resume_finishes_the_ru
     checkpointer = Checkpointer(root)
     assert checkpointer.latest() == root / STEP5
     assert checkpointer.verify(root / STEP5)["world_size"] == layout(lay)[0]
-    weights = consolidated(root / STEP5)
-    single = consolidated(reference.output_dir / "checkpoints" / STEP5)
-    for k in single:
-        torch.testing.assert_close(weights[k], single[k], rtol=1e-5, atol=1e-5, msg=k)
+    assert_checkpoint_matches(consolidated(root / STEP5), reference.output_dir, 5, f"kill_{lay}, step 5")
 
     # --resume takes step 5, says so, and the finished run has the uninterrupted losses.
     assert_ok(resumed)

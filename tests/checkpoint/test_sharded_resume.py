@@ -20,8 +20,11 @@ from checkpoint_runs import (
     RESUME_TARGETS, assert_losses_match, assert_ok, checkpoint_names, consolidated, layout, records,
     train_records,
 )
+from parity import assert_checkpoint_matches
 from dufu.config import LazyConfig
 from dufu.engine.checkpoint import MANIFEST, Checkpointer, SafeFileSystemReader
+
+pytestmark = pytest.mark.multiprocess
 
 STEP5 = "step_0000005"
 
@@ -79,10 +82,7 @@ def test_a_four_process_checkpoint_holds_every_rank_shards_state_config_and_mani
 def test_the_four_process_checkpoint_holds_the_single_process_weights(jobs, reference):
     b = run_b(jobs)
     sharded = consolidated(b.output_dir / "checkpoints" / STEP5)
-    single = consolidated(reference.output_dir / "checkpoints" / STEP5)
-    assert set(sharded) == set(single)
-    for k in single:
-        torch.testing.assert_close(sharded[k], single[k], rtol=1e-5, atol=1e-5, msg=k)
+    assert_checkpoint_matches(sharded, reference.output_dir, 5, "run B (dp 2 x tp 2), step 5")
 
 
 @pytest.mark.checkpoint_jobs("run_b")

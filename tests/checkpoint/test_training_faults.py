@@ -13,6 +13,8 @@ from checkpoint_runs import (
     COMMON, assert_losses_match, assert_ok, checkpoint_names, error_text, records, train_records,
 )
 
+pytestmark = pytest.mark.multiprocess
+
 STEP5, STEP10 = "step_0000005", "step_0000010"
 
 

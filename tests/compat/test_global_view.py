@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,40 +18,30 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from dufu.compat import libai as dist
 from dufu.compat.libai import layer_pipeline_rank
 from dufu.errors import DufuError, LayoutError
-from dufu_testing import REPO
 
-
-def start_torchrun(script, nproc: int) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script)]
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+import launch
+from launch import REPO
 
 
 @pytest.fixture(scope="module")
 def launches():
     """Both multi-process runs start together (they mostly wait on imports and rendezvous), each test
     collects its own: ``launches("example")`` -> stdout."""
-    procs = {
-        "example": start_torchrun(REPO / "examples" / "global_view.py", nproc=4),
-        "pipeline": start_torchrun(REPO / "tests" / "compat" / "global_view_worker.py", nproc=2),
+    started = {
+        "example": launch.start(launch.torchrun_command(REPO / "examples" / "global_view.py", 4), cwd=REPO,
+                                timeout=240),
+        "pipeline": launch.start(launch.torchrun_command(REPO / "tests" / "compat" / "global_view_worker.py", 2),
+                                 cwd=REPO, timeout=240),
     }
-    results = {}
 
-    def result(name: str, timeout: float = 240) -> str:
-        if name not in results:
-            out, err = procs[name].communicate(timeout=timeout)
-            rc = procs[name].returncode
-            assert rc == 0, f"{name}: exit {rc}\nSTDOUT:\n{out[-3000:]}\nSTDERR:\n{err[-5000:]}"
-            results[name] = out
-        return results[name]
+    def result(name: str) -> str:
+        proc = started[name].result()
+        assert proc.returncode == 0, f"{name}:\n{proc.describe()}"
+        return proc.stdout
 
     yield result
-    for proc in procs.values():
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+    for s in started.values():  # nothing outlives the module, even when a test failed before waiting
+        s.result()
 
 
 def load_example():
@@ -222,6 +209,7 @@ def test_layer_pipeline_rank_errors():
 # ----------------------------------------------------------------- multi-process
 
 
+@pytest.mark.multiprocess
 def test_layer_placement_under_pipeline_parallelism(launches):
     """2 processes, pp 2: layer 0 lives on the stage-0 mesh [[0]], the last layer on the stage-1 mesh [[1]]."""
     line = next(line for line in launches("pipeline").splitlines() if line.startswith("RESULT "))
@@ -239,6 +227,7 @@ def test_layer_placement_under_pipeline_parallelism(launches):
         assert "pipeline_num_layers is not set" in s["no_layers_error"]
 
 
+@pytest.mark.multiprocess
 def test_teaching_example_four_processes(launches):
     """examples/global_view.py: a (16, 8) tensor, SBP (split(0), split(1)) on the 2 x 2 mesh [[0, 1], [2, 3]]."""
     out = launches("example")

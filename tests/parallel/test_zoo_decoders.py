@@ -15,6 +15,8 @@ from dufu_testing import train
 import launch
 from parity import PARITY_ARGS, assert_matches_reference, collect, losses, parity_run
 
+pytestmark = pytest.mark.multiprocess
+
 DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 
 # id: (processes, overrides)

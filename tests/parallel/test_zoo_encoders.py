@@ -19,6 +19,8 @@ import pytest
 
 from parity import assert_matches_reference, parity_run
 
+pytestmark = pytest.mark.multiprocess
+
 # id: (recipe, processes, overrides)
 LAYOUTS = {
     "bert-tp2": ("bert_debug", 2, ["train.dist.tensor_parallel_size=2"]),

@@ -21,6 +21,8 @@ import pytest
 
 from parity import EVAL_ARGS, assert_matches_reference, parity_run
 
+pytestmark = pytest.mark.multiprocess
+
 TP2, PP2 = "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 
 # id: (recipe, processes, overrides)
