@@ -36,6 +36,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -276,6 +277,7 @@ def worker() -> int:
 # ------------------------------------------------------------------------------------------------ tests
 
 
+@pytest.mark.multiprocess
 def test_collectives_run_on_the_picked_device(tmp_path):
     env = dict(os.environ, OMP_NUM_THREADS="1", DUFU_TEST_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])))
