@@ -45,9 +45,10 @@ class WarmupConstantLR(LambdaLR):
 
 
 def fit_warmup_to_run(scheduler: dict, train_iter: int) -> tuple[dict, str | None]:
-    """``scheduler`` (a LazyCall node) with its warm-up clamped to the run, and a one-line notice when it was
-    longer: a quick try of a recipe (``dufu train train.train_iter=20``) should run, not fail on a warm-up
-    sized for the full run. The config itself keeps the value it was given."""
+    """``scheduler`` (a copy of the config's LazyCall node; changed in place) with its warm-up clamped to the
+    run, and a one-line notice when it was longer: a quick try of a recipe (``dufu train train.train_iter=20``)
+    should run, not fail on a warm-up sized for the full run. The config keeps the value it was given, so its
+    config.yaml reproduces the run (the clamp follows from it again)."""
     warmup = scheduler.get("warmup_iter")
     if not isinstance(warmup, int) or isinstance(warmup, bool) or warmup <= train_iter:
         return scheduler, None

@@ -77,8 +77,6 @@ class Trainer:
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
         # A gloo group used only to find unresponsive ranks when a collective fails (works beside NCCL too).
         self.health_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
-        if self.world_size > 1 and self.checkpointer.async_save:
-            self.checkpointer.async_group = dist.new_group(backend="gloo")
         self.pp_rank, self.dp_rank, self.tp_rank = self.mesh.get_coordinate() if self.mesh is not None else (0, 0, 0)
         self.parts = self._build_parts(model, plan.stage_ids)
         self.model_parts, self.schedule, self.model = self.parts.modules, self.parts.schedule, self.parts.modules[0]
