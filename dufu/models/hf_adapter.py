@@ -12,7 +12,10 @@ A family states, as data:
 * ``transforms``: the tensors that are not stored as-is, each a :class:`Transposed` or :class:`Fused` rule
   that works in both directions;
 * ``load_renames``: regex rewrites from the names other transformers versions store to the table's names;
-* ``config_from_hf`` / ``config_to_hf``: the config conversion, still a function per family.
+* ``config``: an :class:`HFConfigMap`, the config conversion in both directions: a list of
+  :class:`ConfigField` rows (constructor kwarg <-> transformers config key, with a default for loading, value
+  converters, HF-side alternatives, where export reads the value from a built model), constant keys to
+  write, and at most one small named function per direction for what a row cannot say.
 
 Reading is lazy: a tensor stored as-is becomes a :class:`dufu.models.hub.StoredTensor` (so a
 tensor-parallel or ZeRO rank reads only its block), a transformed one a zero-argument callable that reads
@@ -23,12 +26,13 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import nn
 
 from dufu.errors import DufuError
+
 
 def _compile(pattern: str) -> re.Pattern:
     """A dufu-side pattern as a regex: ``{name}`` placeholders match integers, and a module prefix matches
@@ -68,8 +72,7 @@ class HFMapping:
     model_type: str                                   # transformers' config.model_type
     classes: dict[str, Callable[..., nn.Module]]      # HF architecture name -> dufu class (or factory)
     names: Sequence[tuple[str, str | Sequence[str]]]  # (dufu pattern, transformers pattern or alternatives)
-    config_from_hf: Callable[[dict], dict]            # HF config dict -> dufu kwargs
-    config_to_hf: Callable[[nn.Module], dict]         # dufu model -> HF config dict (with "architectures")
+    config: "HFConfigMap"                             # HF config dict <-> constructor kwargs
     transforms: Sequence[Transposed | Fused] = ()
     load_renames: Sequence[tuple[str, str]] = ()      # (regex, replacement) on stored names
     save_prefix: Callable[[nn.Module], str] = lambda model: ""
@@ -85,6 +88,18 @@ class HFMapping:
         self._names = [(_compile(ours), _alternatives(theirs)) for ours, theirs in self.names]
         self._transposed = [_compile(m) for t in self.transforms if isinstance(t, Transposed) for m in t.modules]
         self._fused = [(t, [_compile(p) for p in t.parts]) for t in self.transforms if isinstance(t, Fused)]
+
+    # ------------------------------------------------------------------ config
+    def config_from_hf(self, hf: Mapping) -> dict:
+        """Constructor keyword arguments from a transformers config dict (read as this mapping's
+        model_type when it names none)."""
+        return self.config.from_hf({**hf, "model_type": hf.get("model_type", self.model_type)})
+
+    def config_to_hf(self, model: nn.Module) -> dict:
+        """The transformers config dict of ``model`` (``architectures`` names its own class when mapped)."""
+        name = type(model).__name__
+        arch = name if name in self.classes else self.default_architecture
+        return self.config.to_hf(model, {"architectures": [arch], "model_type": self.model_type})
 
     # ------------------------------------------------------------------ names
     def _values(self, match: re.Match, model: nn.Module, prefix: str) -> dict:
@@ -189,3 +204,144 @@ def _fused_reader(hf: Mapping, key: str, rule: Fused, which: int) -> Callable[[]
             t = t.t()  # stored (in, n * out) -> (n * out, in)
         return t.chunk(len(rule.parts), dim=rule.dim)[which].clone(memory_format=torch.contiguous_format)
     return read
+
+
+# ----------------------------------------------------------------------------- config map
+class UnsupportedHFValue(DufuError, ValueError):
+    """A transformers config value dufu has no counterpart for (or a required key that is missing)."""
+
+
+REQUIRED = object()  # a ConfigField default: the transformers config must give the key
+
+
+def _convert(conv, value, key: str, hint: str):
+    """``conv`` applied to ``value``: a table (an unknown value is a clear error naming the known ones), a
+    function, or None (as-is)."""
+    if conv is None:
+        return value
+    if isinstance(conv, Mapping):
+        if value not in conv:
+            raise UnsupportedHFValue(f"{key} {value!r} is not supported{hint}; known: {sorted(conv)}.")
+        return conv[value]
+    return conv(value)
+
+
+def attribute(model: nn.Module, path: str):
+    """``model.a.b.0.c`` for ``path`` "a.b.0.c" (a number names a block of a ModuleDict / ModuleList)."""
+    value = model
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def in_first_block(path: str, default: Any = None) -> Callable[[nn.Module], Any]:
+    """An export function: ``path`` inside the model's first block (``model.blocks``), or ``default`` (a value,
+    or a function of the model) for a model without blocks."""
+    def read(model: nn.Module):
+        blocks = model.blocks
+        if not len(blocks):
+            return default(model) if callable(default) else default
+        return attribute(blocks[next(iter(blocks))], path)
+    return read
+
+
+def square_or_pair(pair) -> int | list:
+    """A (height, width) pair as transformers writes it: one number when square, else a list."""
+    return pair[0] if pair[0] == pair[1] else list(pair)
+
+
+def id2label(num_labels: int) -> dict:
+    """transformers' default label names for ``num_labels`` classes."""
+    return {str(i): f"LABEL_{i}" for i in range(num_labels)}
+
+
+def label2id(num_labels: int) -> dict:
+    return {f"LABEL_{i}": i for i in range(num_labels)}
+
+
+Converter = Union[None, Mapping, Callable[[Any], Any]]
+
+
+@dataclass(frozen=True)
+class ConfigField:
+    """One row of a config map: the constructor kwarg ``ours`` <-> the transformers config key ``theirs``.
+
+    ``theirs`` may list alternatives: the first present is read, the first is written. ``default`` (a dufu-side
+    value, or a function of the whole HF dict, e.g. ``4 * n_embd``) applies when none is present, or when the
+    value is falsy and ``or_default`` (transformers' ``config.x or default``). ``from_hf`` / ``to_hf``: a table
+    (unknown values are an :class:`UnsupportedHFValue`, with ``hint`` appended) or a function. ``export``: where
+    a built model keeps the value, an attribute path (default ``ours``) or a function of the model;
+    ``optional``: not written when the model lacks that attribute. ``ours=None``: a key only checked on load
+    (dufu fixes its value). ``load`` / ``save`` False: a row used in one direction only."""
+
+    ours: Optional[str]
+    theirs: str | tuple[str, ...]
+    default: Any = REQUIRED
+    from_hf: Converter = None
+    to_hf: Converter = None
+    export: str | Callable[[nn.Module], Any] | None = None
+    or_default: bool = False
+    optional: bool = False
+    load: bool = True
+    save: bool = True
+    hint: str = ""
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        return _alternatives(self.theirs)
+
+    def read(self, hf: Mapping) -> Any:
+        for key in self.keys:
+            if key in hf and not (self.or_default and not hf[key]):
+                return _convert(self.from_hf, hf[key], key, self.hint)
+        if self.default is REQUIRED:
+            raise UnsupportedHFValue(f"the transformers config has no {' or '.join(self.keys)}, which "
+                                     f"{self.ours or 'dufu'} needs.")
+        return self.default(hf) if callable(self.default) else self.default
+
+    def write(self, model: nn.Module, out: dict) -> None:
+        if callable(self.export):
+            value = self.export(model)
+        else:
+            path = self.export or self.ours
+            try:
+                value = attribute(model, path)
+            except AttributeError:
+                if self.optional:
+                    return
+                raise
+        out[self.keys[0]] = _convert(self.to_hf, value, self.keys[0], self.hint)
+
+
+@dataclass(frozen=True)
+class HFConfigMap:
+    """A family's config conversion as data: ``fields`` (see :class:`ConfigField`), ``constants`` written as
+    given (``torch_dtype`` ...; ``architectures`` and ``model_type`` come from the mapping unless set here),
+    and ``more_from_hf`` / ``more_to_hf``: one small named function per direction for the rules a row cannot
+    say (checks across keys, one value spread over several keys); their results are merged over the rows'."""
+
+    fields: Sequence[ConfigField]
+    constants: Mapping[str, Any] = field(default_factory=dict)
+    more_from_hf: Optional[Callable[[Mapping], dict]] = None
+    more_to_hf: Optional[Callable[[nn.Module], dict]] = None
+
+    def from_hf(self, hf: Mapping) -> dict:
+        kwargs = {}
+        for row in self.fields:
+            if row.load:
+                value = row.read(hf)
+                if row.ours is not None:
+                    kwargs[row.ours] = value
+        if self.more_from_hf is not None:
+            kwargs.update(self.more_from_hf(hf))
+        return kwargs
+
+    def to_hf(self, model: nn.Module, names: Mapping[str, Any] = ()) -> dict:
+        out = dict(names)
+        for row in self.fields:
+            if row.save:
+                row.write(model, out)
+        out.update(self.constants)
+        if self.more_to_hf is not None:
+            out.update(self.more_to_hf(model))
+        return out

@@ -14,7 +14,7 @@ import warnings
 
 from dufu.errors import DufuError
 from dufu.models.bert import model as m
-from dufu.models.hf_adapter import HFMapping
+from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, id2label, in_first_block, label2id
 from dufu.models.hub import register
 
 _ACT_FROM_HF = {"gelu": "gelu", "gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "relu": "relu",
@@ -72,66 +72,48 @@ def _finish_sources(hf, model, out: dict) -> dict:
     return out
 
 
-def config_from_hf(hf: dict) -> dict:
-    """Constructor keyword arguments (encoder and every head's) from a transformers BertConfig/RobertaConfig dict."""
-    if hf.get("position_embedding_type", "absolute") != "absolute":
-        raise DufuError(f"position_embedding_type {hf['position_embedding_type']!r} is not supported; dufu's "
-                        "BERT/RoBERTa use absolute positions.")
+def _check_encoder(hf: dict) -> dict:
+    """A check across two keys no row can say: dufu's BERT/RoBERTa are encoders only."""
     if hf.get("is_decoder") or hf.get("add_cross_attention"):
         raise DufuError("BERT/RoBERTa as a decoder (is_decoder / add_cross_attention) is not supported.")
-    act = hf.get("hidden_act", "gelu")
-    if act not in _ACT_FROM_HF:
-        raise DufuError(f"hidden_act {act!r} is not supported; known: {sorted(_ACT_FROM_HF)}")
-    id2label = hf.get("id2label") or {}
-    num_labels = hf.get("num_labels") or len(id2label) or 2
-    return dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_attention_heads=hf["num_attention_heads"],
-        ffn_hidden_size=hf.get("intermediate_size") or 4 * hf["hidden_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 512),
-        type_vocab_size=hf.get("type_vocab_size", 2),
-        hidden_dropout=hf.get("hidden_dropout_prob", 0.1),
-        attention_dropout=hf.get("attention_probs_dropout_prob", 0.1),
-        layernorm_epsilon=hf.get("layer_norm_eps", 1e-12),
-        activation=_ACT_FROM_HF[act],
-        pad_token_id=hf.get("pad_token_id", 0),
-        initializer_range=hf.get("initializer_range", 0.02),
-        tie_word_embeddings=hf.get("tie_word_embeddings", True),
-        num_labels=num_labels,
-        classifier_dropout=hf.get("classifier_dropout"),
+    return {}
+
+
+# id2label / label2id: written only for a model with a classification head (one with ``num_labels``)
+_LABEL_ROW = dict(optional=True, load=False, export="num_labels")
+
+
+def _config(family: str) -> HFConfigMap:
+    return HFConfigMap(
+        fields=[
+            ConfigField(None, "position_embedding_type", default=None, from_hf={"absolute": "absolute"},
+                        hint="; dufu's BERT/RoBERTa use absolute positions", export=lambda m: "absolute"),
+            ConfigField("vocab_size", "vocab_size"),
+            ConfigField("hidden_size", "hidden_size"),
+            ConfigField("num_layers", "num_hidden_layers"),
+            ConfigField("num_attention_heads", "num_attention_heads"),
+            ConfigField("ffn_hidden_size", "intermediate_size", default=lambda hf: 4 * hf["hidden_size"],
+                        or_default=True, export=in_first_block("mlp.fc1.out_features", lambda m: 4 * m.hidden_size)),
+            ConfigField("max_position_embeddings", "max_position_embeddings", default=512),
+            ConfigField("type_vocab_size", "type_vocab_size", default=2),
+            ConfigField("hidden_dropout", "hidden_dropout_prob", default=0.1, export="drop.p"),
+            ConfigField("attention_dropout", "attention_probs_dropout_prob", default=0.1,
+                        export=in_first_block("attn.attention_dropout", 0.0)),
+            ConfigField("layernorm_epsilon", "layer_norm_eps", default=1e-12, export="ln_emb.eps"),
+            ConfigField("activation", "hidden_act", default="gelu", from_hf=_ACT_FROM_HF, to_hf=_ACT_TO_HF),
+            ConfigField("pad_token_id", "pad_token_id", default=0),
+            ConfigField("initializer_range", "initializer_range", default=0.02),
+            ConfigField("tie_word_embeddings", "tie_word_embeddings", default=True),
+            # every head's arguments are read; _factory passes each class those it takes
+            ConfigField("num_labels", "num_labels", or_default=True, save=False,
+                        default=lambda hf: len(hf.get("id2label") or {}) or 2),
+            ConfigField("classifier_dropout", "classifier_dropout", default=None, save=False),
+            ConfigField("num_labels", "id2label", to_hf=id2label, **_LABEL_ROW),
+            ConfigField("num_labels", "label2id", to_hf=label2id, **_LABEL_ROW),
+        ],
+        constants={"torch_dtype": "float32", **({"bos_token_id": 0, "eos_token_id": 2} if family == "roberta" else {})},
+        more_from_hf=_check_encoder,
     )
-
-
-def config_to_hf(model, family: str, architecture: str) -> dict:
-    blocks = list(model.blocks.values())
-    cfg = {
-        "architectures": [architecture],
-        "model_type": family,
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.hidden_size,
-        "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_attention_heads,
-        "intermediate_size": blocks[0].mlp.fc1.out_features if blocks else 4 * model.hidden_size,
-        "hidden_act": _ACT_TO_HF[model.activation],
-        "hidden_dropout_prob": model.drop.p,
-        "attention_probs_dropout_prob": blocks[0].attn.attention_dropout if blocks else 0.0,
-        "max_position_embeddings": model.max_position_embeddings,
-        "type_vocab_size": model.type_vocab_size,
-        "initializer_range": model.initializer_range,
-        "layer_norm_eps": model.ln_emb.eps,
-        "pad_token_id": model.pad_token_id,
-        "position_embedding_type": "absolute",
-        "tie_word_embeddings": model.tie_word_embeddings,
-        "torch_dtype": "float32",
-    }
-    if family == "roberta":
-        cfg.update(bos_token_id=0, eos_token_id=2)
-    if hasattr(model, "num_labels"):
-        cfg["id2label"] = {str(i): f"LABEL_{i}" for i in range(model.num_labels)}
-        cfg["label2id"] = {f"LABEL_{i}": i for i in range(model.num_labels)}
-    return cfg
 
 
 # Constructor arguments only some classes take; config_from_hf gives them all.
@@ -159,8 +141,7 @@ def _mapping(family: str, classes) -> HFMapping:
         save_prefix=lambda model: "" if isinstance(model, m.BertModel) else f"{family}.",
         also_saved_as={head_names[3][1][0]: head_names[3][1][1]},
         finish_sources=_finish_sources,
-        config_from_hf=config_from_hf,
-        config_to_hf=lambda model: config_to_hf(model, family, type(model).__name__),
+        config=_config(family),
         default_architecture=classes[0].__name__,
         dufu_classes=tuple(classes),
     )

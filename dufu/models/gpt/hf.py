@@ -9,58 +9,37 @@ parallelism splits whole heads), hence the ``Fused`` and ``Transposed`` rules of
 from __future__ import annotations
 
 from dufu.models.gpt.model import GPTModel
-from dufu.models.hf_adapter import Fused, HFMapping, Transposed
+from dufu.models.hf_adapter import ConfigField, Fused, HFConfigMap, HFMapping, Transposed, in_first_block
 from dufu.models.hub import register
 
-_ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
-_ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
-                "silu": "silu", "swish": "silu"}
+# dufu activation <-> transformers' ACT2FN name (GPT-2 writes the tanh approximation as "gelu_new")
+ACT_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu", "silu": "silu"}
+ACT_FROM_HF = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu",
+               "silu": "silu", "swish": "silu"}
 
 
-def config_from_hf(hf: dict) -> dict:
-    """GPTModel keyword arguments from a transformers GPT2Config (as a dict)."""
-    act = hf.get("activation_function", "gelu_new")
-    if act not in _ACT_FROM_HF:
-        raise ValueError(f"GPT-2 activation_function {act!r} is not supported; known: {sorted(_ACT_FROM_HF)}")
-    return dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["n_embd"],
-        num_layers=hf["n_layer"],
-        num_attention_heads=hf["n_head"],
-        ffn_hidden_size=hf.get("n_inner") or 4 * hf["n_embd"],
-        max_position_embeddings=hf["n_positions"],
-        embedding_dropout=hf.get("embd_pdrop", 0.0),
-        hidden_dropout=hf.get("resid_pdrop", 0.0),
-        attention_dropout=hf.get("attn_pdrop", 0.0),
-        layernorm_epsilon=hf.get("layer_norm_epsilon", 1e-5),
-        activation=_ACT_FROM_HF[act],
-        tie_word_embeddings=hf.get("tie_word_embeddings", True),
-        initializer_range=hf.get("initializer_range", 0.02),
-    )
-
-
-def config_to_hf(model) -> dict:
-    ffn = model.blocks["0"].mlp.fc1.out_features if len(model.blocks) else 4 * model.hidden_size
-    act = model.blocks["0"].mlp.activation if len(model.blocks) else "gelu_tanh"
-    return {
-        "architectures": ["GPT2LMHeadModel"],
-        "model_type": "gpt2",
-        "vocab_size": model.vocab_size,
-        "n_embd": model.hidden_size,
-        "n_layer": model.num_layers,
-        "n_head": model.num_attention_heads,
-        "n_inner": ffn,
-        "n_positions": model.max_position_embeddings,
-        "n_ctx": model.max_position_embeddings,
-        "activation_function": _ACT_TO_HF[act],
-        "layer_norm_epsilon": model.ln_f.eps,
-        "initializer_range": model.initializer_range,
-        "tie_word_embeddings": model.tie_word_embeddings,
-        "embd_pdrop": model.drop.p,
-        "resid_pdrop": 0.0,
-        "attn_pdrop": 0.0,
-        "torch_dtype": "float32",
-    }
+CONFIG = HFConfigMap(
+    fields=[
+        ConfigField("vocab_size", "vocab_size"),
+        ConfigField("hidden_size", "n_embd"),
+        ConfigField("num_layers", "n_layer"),
+        ConfigField("num_attention_heads", "n_head"),
+        ConfigField("ffn_hidden_size", "n_inner", default=lambda hf: 4 * hf["n_embd"], or_default=True,
+                    export=in_first_block("mlp.fc1.out_features", lambda m: 4 * m.hidden_size)),
+        ConfigField("max_position_embeddings", "n_positions"),
+        ConfigField("max_position_embeddings", "n_ctx", load=False),  # GPT-2's older key for the same length
+        ConfigField("embedding_dropout", "embd_pdrop", default=0.0, export="drop.p"),
+        # written as 0.0, not taken from the model
+        ConfigField("hidden_dropout", "resid_pdrop", default=0.0, export=lambda m: 0.0),
+        ConfigField("attention_dropout", "attn_pdrop", default=0.0, export=lambda m: 0.0),
+        ConfigField("layernorm_epsilon", "layer_norm_epsilon", default=1e-5, export="ln_f.eps"),
+        ConfigField("activation", "activation_function", default="gelu_tanh", from_hf=ACT_FROM_HF, to_hf=ACT_TO_HF,
+                    export=in_first_block("mlp.activation", "gelu_tanh")),
+        ConfigField("tie_word_embeddings", "tie_word_embeddings", default=True),
+        ConfigField("initializer_range", "initializer_range", default=0.02),
+    ],
+    constants={"torch_dtype": "float32"},
+)
 
 
 MAPPING = register(HFMapping(
@@ -84,8 +63,7 @@ MAPPING = register(HFMapping(
               "transformer.h.{i}.attn.c_attn", dim=0, transposed=True),
     ],
     load_renames=[(r"^(?!transformer\.|lm_head\.)", "transformer.")],  # saved without the prefix too
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
+    config=CONFIG,
     default_architecture="GPT2LMHeadModel",
     dufu_classes=(GPTModel,),
 ))

@@ -10,7 +10,7 @@ Rotary settings are read from transformers 5's ``rope_parameters`` as well as fr
 from __future__ import annotations
 
 from dufu.errors import DufuError
-from dufu.models.hf_adapter import HFMapping
+from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, in_first_block
 from dufu.models.hub import register
 from dufu.models.llama.model import LlamaModel
 
@@ -40,40 +40,18 @@ def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
                     "linear.")
 
 
-def config_from_hf(hf: dict) -> dict:
-    """LlamaModel keyword arguments from a transformers LlamaConfig / Qwen2Config (as a dict)."""
-    act = hf.get("hidden_act", "silu")
-    if act not in ("silu", "swish"):
-        raise DufuError(f"hidden_act {act!r} is not supported: dufu's LlamaModel uses SwiGLU (silu).")
-    model_type = hf.get("model_type", "llama")
-    if model_type == "qwen2" and hf.get("use_sliding_window"):
-        raise DufuError("Qwen2 with use_sliding_window=True is not supported (dufu attends to the full context).")
-    heads = hf["num_attention_heads"]
-    theta, scaling = _rope_from_hf(hf)
-    if model_type == "qwen2":
-        qkv_bias, out_bias, mlp_bias = True, False, False
+def _more_from_hf(hf: dict) -> dict:
+    """What a row cannot say: Qwen2's sliding window is refused, its biases follow from the model_type (Q/K/V
+    only) while Llama's come from two keys, and the rotary settings come from one of two layouts."""
+    if hf["model_type"] == "qwen2":
+        if hf.get("use_sliding_window"):
+            raise DufuError("Qwen2 with use_sliding_window=True is not supported (dufu attends to the full context).")
+        biases = dict(qkv_bias=True, out_bias=False, mlp_bias=False)
     else:
-        qkv_bias = out_bias = bool(hf.get("attention_bias", False))
-        mlp_bias = bool(hf.get("mlp_bias", False))
-    return dict(
-        vocab_size=hf["vocab_size"],
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_attention_heads=heads,
-        num_key_value_heads=hf.get("num_key_value_heads") or heads,
-        head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
-        ffn_hidden_size=hf["intermediate_size"],
-        max_position_embeddings=hf.get("max_position_embeddings", 2048),
-        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-        rope_theta=theta,
-        rope_scaling=scaling,
-        qkv_bias=qkv_bias,
-        out_bias=out_bias,
-        mlp_bias=mlp_bias,
-        attention_dropout=hf.get("attention_dropout", 0.0),
-        tie_word_embeddings=hf.get("tie_word_embeddings", False),
-        initializer_range=hf.get("initializer_range", 0.02),
-    )
+        attention = bool(hf.get("attention_bias", False))
+        biases = dict(qkv_bias=attention, out_bias=attention, mlp_bias=bool(hf.get("mlp_bias", False)))
+    theta, scaling = _rope_from_hf(hf)
+    return dict(rope_theta=theta, rope_scaling=scaling, **biases)
 
 
 def hf_model_type(model) -> str:
@@ -90,10 +68,10 @@ def hf_model_type(model) -> str:
     return "llama"
 
 
-def config_to_hf(model) -> dict:
+def _more_to_hf(model) -> dict:
+    """What a row cannot say: the biases pick the model_type (and so the architecture and its own keys), and
+    the rotary settings are written in both layouts."""
     model_type = hf_model_type(model)
-    blk = model.blocks[next(iter(model.blocks))] if len(model.blocks) else None
-    eps = model.norm.eps if model.norm is not None else (blk.attn_norm.eps if blk is not None else 1e-6)
     rope = {"rope_type": "default", "rope_theta": model.rope_theta}
     if model.rope_scaling:
         rope = {**model.rope_scaling, "rope_theta": model.rope_theta}
@@ -101,35 +79,56 @@ def config_to_hf(model) -> dict:
     cfg = {
         "architectures": ["Qwen2ForCausalLM" if model_type == "qwen2" else "LlamaForCausalLM"],
         "model_type": model_type,
-        "vocab_size": model.vocab_size,
-        "hidden_size": model.hidden_size,
-        "intermediate_size": model.ffn_hidden_size,
-        "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_attention_heads,
-        "num_key_value_heads": model.num_key_value_heads,
-        "head_dim": model.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": model.max_position_embeddings,
-        "rms_norm_eps": eps,
         "rope_parameters": rope,
         "rope_theta": model.rope_theta,  # older transformers read these two
         "rope_scaling": dict(rope) if model.rope_scaling else None,
-        "attention_dropout": blk.attn.attention_dropout if blk is not None else 0.0,
-        "tie_word_embeddings": model.tie_word_embeddings,
-        "initializer_range": model.initializer_range,
+    }
+    if model_type == "llama":
+        cfg["attention_bias"] = in_first_block("attn.q_proj.bias")(model) is not None
+        cfg["mlp_bias"] = in_first_block("mlp.gate_proj.bias")(model) is not None
+    else:
+        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers,
+                   layer_types=["full_attention"] * model.num_layers)
+    return cfg
+
+
+def _norm_eps(model) -> float:
+    """The final norm's epsilon; a pipeline stage without it reads a block's."""
+    if model.norm is not None:
+        return model.norm.eps
+    return in_first_block("attn_norm.eps", 1e-6)(model)
+
+
+CONFIG = HFConfigMap(
+    fields=[
+        ConfigField("vocab_size", "vocab_size"),
+        ConfigField("hidden_size", "hidden_size"),
+        ConfigField("num_layers", "num_hidden_layers"),
+        ConfigField("num_attention_heads", "num_attention_heads"),
+        ConfigField("num_key_value_heads", "num_key_value_heads", default=lambda hf: hf["num_attention_heads"],
+                    or_default=True),
+        ConfigField("head_dim", "head_dim", default=lambda hf: hf["hidden_size"] // hf["num_attention_heads"],
+                    or_default=True),
+        ConfigField("ffn_hidden_size", "intermediate_size"),
+        ConfigField(None, "hidden_act", default=None, from_hf={"silu": "silu", "swish": "silu"},
+                    hint=": dufu's LlamaModel uses SwiGLU (silu)", export=lambda m: "silu"),
+        ConfigField("max_position_embeddings", "max_position_embeddings", default=2048),
+        ConfigField("rms_norm_eps", "rms_norm_eps", default=1e-6, export=_norm_eps),
+        ConfigField("attention_dropout", "attention_dropout", default=0.0,
+                    export=in_first_block("attn.attention_dropout", 0.0)),
+        ConfigField("tie_word_embeddings", "tie_word_embeddings", default=False),
+        ConfigField("initializer_range", "initializer_range", default=0.02),
+    ],
+    constants={
         # dufu's tokenizers are not Llama's: no default BOS/EOS ids (transformers would assume 1 and 2)
         "bos_token_id": None,
         "eos_token_id": None,
         "dtype": "float32",
         "torch_dtype": "float32",
-    }
-    if model_type == "llama":
-        cfg["attention_bias"] = blk is not None and blk.attn.q_proj.bias is not None
-        cfg["mlp_bias"] = blk is not None and blk.mlp.gate_proj.bias is not None
-    else:
-        cfg.update(use_sliding_window=False, sliding_window=None, max_window_layers=model.num_layers,
-                   layer_types=["full_attention"] * model.num_layers)
-    return cfg
+    },
+    more_from_hf=_more_from_hf,
+    more_to_hf=_more_to_hf,
+)
 
 
 # ----------------------------------------------------------------------------- tensors
@@ -152,8 +151,7 @@ MAPPINGS = [
         classes={arch: LlamaModel},
         names=_NAMES,
         not_saved=(r"rotary\.inv_freq$",),  # recomputed from the config
-        config_from_hf=lambda hf, mt=model_type: config_from_hf({**hf, "model_type": hf.get("model_type", mt)}),
-        config_to_hf=config_to_hf,
+        config=CONFIG,
         default_architecture=arch,
         dufu_classes=(LlamaModel,),
     ))

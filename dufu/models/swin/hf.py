@@ -9,10 +9,10 @@ The relative-position index buffer of older checkpoints is recomputed, not read.
 
 from __future__ import annotations
 
-from dufu.models.hf_adapter import HFMapping
+from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, square_or_pair
 from dufu.models.hub import register
 from dufu.models.swin.model import SwinForImageClassification
-from dufu.models.vit.hf import ACT_TO_HF, activation_from_hf, labels_to_hf, num_labels_from_hf
+from dufu.models.vit.hf import LABEL_FIELDS, activation_field
 
 _BLOCK = {
     "ln1": "layernorm_before",
@@ -36,52 +36,30 @@ _NEW_TO_SAVED = [
 ]
 
 
-def config_from_hf(hf: dict) -> dict:
-    return dict(
-        image_size=hf.get("image_size", 224),
-        patch_size=hf.get("patch_size", 4),
-        num_channels=hf.get("num_channels", 3),
-        num_labels=num_labels_from_hf(hf),
-        embed_dim=hf.get("embed_dim", 96),
-        depths=list(hf.get("depths", [2, 2, 6, 2])),
-        num_heads=list(hf.get("num_heads", [3, 6, 12, 24])),
-        window_size=hf.get("window_size", 7),
-        mlp_ratio=hf.get("mlp_ratio", 4.0),
-        qkv_bias=hf.get("qkv_bias", True),
-        hidden_dropout=hf.get("hidden_dropout_prob", 0.0),
-        attention_dropout=hf.get("attention_probs_dropout_prob", 0.0),
-        drop_path_rate=hf.get("drop_path_rate", 0.1),
-        activation=activation_from_hf(hf.get("hidden_act", "gelu")),
-        use_absolute_embeddings=hf.get("use_absolute_embeddings", False),
-        layer_norm_eps=hf.get("layer_norm_eps", 1e-5),
-        initializer_range=hf.get("initializer_range", 0.02),
-    )
-
-
-def config_to_hf(model) -> dict:
-    block = model.blocks["0"]
-    return {
-        "architectures": ["SwinForImageClassification"],
-        "model_type": "swin",
-        "image_size": model.image_size[0] if model.image_size[0] == model.image_size[1] else list(model.image_size),
-        "patch_size": model.patch_size[0] if model.patch_size[0] == model.patch_size[1] else list(model.patch_size),
-        "num_channels": model.num_channels,
-        "embed_dim": model.embed_dim,
-        "depths": list(model.depths),
-        "num_heads": list(model.num_heads),
-        "window_size": model.window_size,
-        "mlp_ratio": model.mlp_ratio,
-        "qkv_bias": block.attn.q_proj.bias is not None,
-        "hidden_dropout_prob": model.embeddings.drop.p,
-        "attention_probs_dropout_prob": block.attn.attention_dropout,
-        "drop_path_rate": model.drop_path_rate,
-        "hidden_act": ACT_TO_HF[block.mlp.activation],
-        "use_absolute_embeddings": model.embeddings.position_embeddings is not None,
-        "layer_norm_eps": model.layer_norm_eps,
-        "initializer_range": model.initializer_range,
-        "torch_dtype": "float32",
-        **labels_to_hf(model.num_labels),
-    }
+CONFIG = HFConfigMap(
+    fields=[
+        ConfigField("image_size", "image_size", default=224, to_hf=square_or_pair),
+        ConfigField("patch_size", "patch_size", default=4, to_hf=square_or_pair),
+        ConfigField("num_channels", "num_channels", default=3),
+        ConfigField("embed_dim", "embed_dim", default=96),
+        ConfigField("depths", "depths", default=[2, 2, 6, 2], from_hf=list, to_hf=list),
+        ConfigField("num_heads", "num_heads", default=[3, 6, 12, 24], from_hf=list, to_hf=list),
+        ConfigField("window_size", "window_size", default=7),
+        ConfigField("mlp_ratio", "mlp_ratio", default=4.0),
+        ConfigField("qkv_bias", "qkv_bias", default=True, export=lambda m: m.blocks["0"].attn.q_proj.bias is not None),
+        ConfigField("hidden_dropout", "hidden_dropout_prob", default=0.0, export="embeddings.drop.p"),
+        ConfigField("attention_dropout", "attention_probs_dropout_prob", default=0.0,
+                    export="blocks.0.attn.attention_dropout"),
+        ConfigField("drop_path_rate", "drop_path_rate", default=0.1),
+        activation_field("blocks.0.mlp.activation"),
+        ConfigField("use_absolute_embeddings", "use_absolute_embeddings", default=False,
+                    export=lambda m: m.embeddings.position_embeddings is not None),
+        ConfigField("layer_norm_eps", "layer_norm_eps", default=1e-5),
+        ConfigField("initializer_range", "initializer_range", default=0.02),
+        *LABEL_FIELDS,
+    ],
+    constants={"torch_dtype": "float32"},
+)
 
 
 def _stage_and_block(model, values: dict) -> dict:
@@ -108,8 +86,7 @@ MAPPING = register(HFMapping(
     ],
     placeholders=_stage_and_block,
     load_renames=_NEW_TO_SAVED,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
+    config=CONFIG,
     default_architecture="SwinForImageClassification",
     dufu_classes=(SwinForImageClassification,),
 ))

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dufu.errors import DataError
-from dufu.models.hf_adapter import HFMapping
+from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping
 from dufu.models.hub import StoredTensor, register
 from dufu.models.t5.model import T5EncoderModel, T5ForConditionalGeneration, T5Model
 
@@ -26,62 +26,42 @@ _PROJ = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "out_proj": "o"}
 _FF = {"fc1": "wi", "fc2": "wo", "gate_proj": "wi_0", "up_proj": "wi_1", "down_proj": "wo"}
 
 
-def config_from_hf(hf: dict) -> dict:
-    """T5Model keyword arguments from a transformers T5Config (as a dict)."""
-    ff = hf.get("feed_forward_proj", "relu")
-    if ff not in ("relu", "gated-gelu"):
-        raise ValueError(f"T5 feed_forward_proj {ff!r} is not supported; dufu maps 'relu' (T5) and 'gated-gelu' (T5 v1.1)")
-    tie = hf.get("tie_word_embeddings", True)
-    return dict(
-        vocab_size=hf["vocab_size"],
-        d_model=hf["d_model"],
-        d_kv=hf["d_kv"],
-        d_ff=hf["d_ff"],
-        num_layers=hf["num_layers"],
-        num_decoder_layers=hf.get("num_decoder_layers") or hf["num_layers"],
-        num_heads=hf["num_heads"],
-        feed_forward_proj=ff,
-        relative_attention_num_buckets=hf.get("relative_attention_num_buckets", 32),
-        relative_attention_max_distance=hf.get("relative_attention_max_distance", 128),
-        dropout_rate=hf.get("dropout_rate", 0.1),
-        layer_norm_epsilon=hf.get("layer_norm_epsilon", 1e-6),
-        tie_word_embeddings=tie,
-        scale_decoder_outputs=hf.get("scale_decoder_outputs", tie),
-        pad_token_id=hf.get("pad_token_id", 0) or 0,
-        decoder_start_token_id=hf.get("decoder_start_token_id"),
-        initializer_factor=hf.get("initializer_factor", 1.0),
-    )
+def _tie_to_hf(model) -> bool:
+    """A model without a head of its own (no lm_head, or one tied to the embedding) is written as tied."""
+    return bool(getattr(model, "tie_word_embeddings", True)) or getattr(model, "lm_head", None) is None
 
 
-def config_to_hf(model) -> dict:
-    encoder_only = isinstance(model, T5EncoderModel)
-    head = getattr(model, "lm_head", None) is not None
-    arch = "T5EncoderModel" if encoder_only else ("T5ForConditionalGeneration" if head else "T5Model")
-    tie = bool(getattr(model, "tie_word_embeddings", True)) or not head
-    cfg = {
-        "architectures": [arch],
-        "model_type": "t5",
-        "vocab_size": model.vocab_size,
-        "d_model": model.d_model,
-        "d_kv": model.d_kv,
-        "d_ff": model.d_ff,
-        "num_layers": model.num_layers,
-        "num_decoder_layers": getattr(model, "num_decoder_layers", model.num_layers),
-        "num_heads": model.num_attention_heads,
-        "feed_forward_proj": model.feed_forward_proj,
-        "relative_attention_num_buckets": model.relative_attention_num_buckets,
-        "relative_attention_max_distance": model.relative_attention_max_distance,
-        "dropout_rate": model.dropout_rate,
-        "layer_norm_epsilon": model.layer_norm_epsilon,
-        "initializer_factor": model.initializer_factor,
-        "is_encoder_decoder": not encoder_only,
-        "tie_word_embeddings": tie,
-        "scale_decoder_outputs": bool(getattr(model, "scale_decoder_outputs", tie)),
-        "pad_token_id": getattr(model, "pad_token_id", 0),
-        "decoder_start_token_id": getattr(model, "decoder_start_token_id", 0),
-        "torch_dtype": "float32",
-    }
-    return cfg
+CONFIG = HFConfigMap(
+    fields=[
+        ConfigField("vocab_size", "vocab_size"),
+        ConfigField("d_model", "d_model"),
+        ConfigField("d_kv", "d_kv"),
+        ConfigField("d_ff", "d_ff"),
+        ConfigField("num_layers", "num_layers"),
+        ConfigField("num_decoder_layers", "num_decoder_layers", default=lambda hf: hf["num_layers"], or_default=True,
+                    export=lambda m: getattr(m, "num_decoder_layers", m.num_layers)),
+        ConfigField("num_heads", "num_heads", export="num_attention_heads"),
+        ConfigField("feed_forward_proj", "feed_forward_proj", default="relu",
+                    from_hf={"relu": "relu", "gated-gelu": "gated-gelu"},
+                    hint=" (dufu maps 'relu', T5, and 'gated-gelu', T5 v1.1)"),
+        ConfigField("relative_attention_num_buckets", "relative_attention_num_buckets", default=32),
+        ConfigField("relative_attention_max_distance", "relative_attention_max_distance", default=128),
+        ConfigField("dropout_rate", "dropout_rate", default=0.1),
+        ConfigField("layer_norm_epsilon", "layer_norm_epsilon", default=1e-6),
+        ConfigField("initializer_factor", "initializer_factor", default=1.0),
+        ConfigField(None, "is_encoder_decoder", load=False, export=lambda m: not isinstance(m, T5EncoderModel)),
+        ConfigField("tie_word_embeddings", "tie_word_embeddings", default=True, export=_tie_to_hf),
+        # transformers 5's key for the decoder-output rescale, which older configs say with tie_word_embeddings
+        ConfigField("scale_decoder_outputs", "scale_decoder_outputs",
+                    default=lambda hf: hf.get("tie_word_embeddings", True),
+                    export=lambda m: bool(getattr(m, "scale_decoder_outputs", _tie_to_hf(m)))),
+        ConfigField("pad_token_id", "pad_token_id", default=0, or_default=True,
+                    export=lambda m: getattr(m, "pad_token_id", 0)),
+        ConfigField("decoder_start_token_id", "decoder_start_token_id", default=None,
+                    export=lambda m: getattr(m, "decoder_start_token_id", 0)),
+    ],
+    constants={"torch_dtype": "float32"},
+)
 
 
 def _stack_names(stack: str, ff_layer: int) -> list[tuple[str, str]]:
@@ -140,8 +120,7 @@ MAPPING = register(HFMapping(
     },
     names=_NAMES,
     finish_sources=_finish_sources,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
+    config=CONFIG,
     default_architecture="T5ForConditionalGeneration",
     dufu_classes=(T5ForConditionalGeneration, T5EncoderModel),
 ))

@@ -6,7 +6,15 @@ Names are written as transformers stores them in checkpoints (``vit.encoder.laye
 
 from __future__ import annotations
 
-from dufu.models.hf_adapter import HFMapping
+from dufu.models.hf_adapter import (
+    ConfigField,
+    HFConfigMap,
+    HFMapping,
+    id2label,
+    in_first_block,
+    label2id,
+    square_or_pair,
+)
 from dufu.models.hub import register
 from dufu.models.vit.model import ViTForImageClassification
 
@@ -37,63 +45,39 @@ _NEW_TO_SAVED = [
 ]
 
 
-def num_labels_from_hf(hf: dict) -> int:
-    if hf.get("id2label"):
-        return len(hf["id2label"])
-    return int(hf.get("num_labels", 2))
+# The label rows ViT and Swin share: id2label (its length) wins over num_labels on load; both are written.
+LABEL_FIELDS = [
+    ConfigField("num_labels", "id2label", from_hf=len, or_default=True, to_hf=id2label,
+                default=lambda hf: int(hf.get("num_labels", 2))),
+    ConfigField("num_labels", "label2id", to_hf=label2id, load=False),
+]
 
 
-def activation_from_hf(act: str) -> str:
-    if act not in ACT_FROM_HF:
-        raise ValueError(f"hidden_act {act!r} is not supported; known: {sorted(ACT_FROM_HF)}")
-    return ACT_FROM_HF[act]
+def activation_field(export) -> ConfigField:
+    return ConfigField("activation", "hidden_act", default="gelu", from_hf=ACT_FROM_HF, to_hf=ACT_TO_HF, export=export)
 
 
-def config_from_hf(hf: dict) -> dict:
-    return dict(
-        image_size=hf.get("image_size", 224),
-        patch_size=hf.get("patch_size", 16),
-        num_channels=hf.get("num_channels", 3),
-        num_labels=num_labels_from_hf(hf),
-        hidden_size=hf["hidden_size"],
-        num_layers=hf["num_hidden_layers"],
-        num_attention_heads=hf["num_attention_heads"],
-        ffn_hidden_size=hf["intermediate_size"],
-        hidden_dropout=hf.get("hidden_dropout_prob", 0.0),
-        attention_dropout=hf.get("attention_probs_dropout_prob", 0.0),
-        layer_norm_eps=hf.get("layer_norm_eps", 1e-12),
-        qkv_bias=hf.get("qkv_bias", True),
-        activation=activation_from_hf(hf.get("hidden_act", "gelu")),
-        initializer_range=hf.get("initializer_range", 0.02),
-    )
-
-
-def labels_to_hf(num_labels: int) -> dict:
-    return {"id2label": {str(i): f"LABEL_{i}" for i in range(num_labels)},
-            "label2id": {f"LABEL_{i}": i for i in range(num_labels)}}
-
-
-def config_to_hf(model) -> dict:
-    block = model.blocks["0"] if len(model.blocks) else None
-    return {
-        "architectures": ["ViTForImageClassification"],
-        "model_type": "vit",
-        "image_size": model.image_size[0] if model.image_size[0] == model.image_size[1] else list(model.image_size),
-        "patch_size": model.patch_size[0] if model.patch_size[0] == model.patch_size[1] else list(model.patch_size),
-        "num_channels": model.num_channels,
-        "hidden_size": model.hidden_size,
-        "num_hidden_layers": model.num_layers,
-        "num_attention_heads": model.num_attention_heads,
-        "intermediate_size": model.ffn_hidden_size,
-        "hidden_act": ACT_TO_HF[block.mlp.activation if block is not None else "gelu"],
-        "hidden_dropout_prob": model.embeddings.drop.p,
-        "attention_probs_dropout_prob": block.attn.attention_dropout if block is not None else 0.0,
-        "layer_norm_eps": model.layer_norm_eps,
-        "qkv_bias": block.attn.q_proj.bias is not None if block is not None else True,
-        "initializer_range": model.initializer_range,
-        "torch_dtype": "float32",
-        **labels_to_hf(model.num_labels),
-    }
+CONFIG = HFConfigMap(
+    fields=[
+        ConfigField("image_size", "image_size", default=224, to_hf=square_or_pair),
+        ConfigField("patch_size", "patch_size", default=16, to_hf=square_or_pair),
+        ConfigField("num_channels", "num_channels", default=3),
+        ConfigField("hidden_size", "hidden_size"),
+        ConfigField("num_layers", "num_hidden_layers"),
+        ConfigField("num_attention_heads", "num_attention_heads"),
+        ConfigField("ffn_hidden_size", "intermediate_size"),
+        activation_field(in_first_block("mlp.activation", "gelu")),
+        ConfigField("hidden_dropout", "hidden_dropout_prob", default=0.0, export="embeddings.drop.p"),
+        ConfigField("attention_dropout", "attention_probs_dropout_prob", default=0.0,
+                    export=in_first_block("attn.attention_dropout", 0.0)),
+        ConfigField("layer_norm_eps", "layer_norm_eps", default=1e-12),
+        ConfigField("qkv_bias", "qkv_bias", default=True,
+                    export=lambda m: in_first_block("attn.q_proj.bias", 0)(m) is not None),
+        ConfigField("initializer_range", "initializer_range", default=0.02),
+        *LABEL_FIELDS,
+    ],
+    constants={"torch_dtype": "float32"},
+)
 
 
 MAPPING = register(HFMapping(
@@ -108,8 +92,7 @@ MAPPING = register(HFMapping(
         ("classifier", "classifier"),
     ],
     load_renames=_NEW_TO_SAVED,
-    config_from_hf=config_from_hf,
-    config_to_hf=config_to_hf,
+    config=CONFIG,
     default_architecture="ViTForImageClassification",
     dufu_classes=(ViTForImageClassification,),
 ))
