@@ -1,7 +1,7 @@
 """Any Hugging Face transformers architecture, trained as-is (LiBai's "import a HF model" story).
 
-``HFAutoModel`` builds a transformers model -- from a config dict (no weights), or from a local model directory
-(its config, and its weights unless ``load_weights=False``) -- and wraps it so the trainer's contract holds:
+``HFAutoModel`` builds a transformers model from its config only -- a config dict, or a local model directory's
+config.json -- and wraps it so the trainer's contract holds:
 ``model(**batch).loss``. dufu's language-model batches carry ``shift_labels`` (the next-token ids, already
 shifted); the wrapper computes the mean token cross entropy over them from the model's logits, exactly as
 dufu's own models do, so no token is wasted. Batches with transformers' own ``labels`` (shifted inside the model,
@@ -11,6 +11,11 @@ or class labels) go to the model, which returns its loss.
 
     model = L(HFAutoModel)(model_type="gpt_neox", config=dict(hidden_size=64, num_hidden_layers=2, ...))
     model = L(HFAutoModel)(path="/models/my-llama", auto_class="AutoModelForCausalLM")
+
+Building reads no weights: with ``path`` (and ``load_weights``) the constructor records ``pretrained_path``, and
+whoever builds the model loads them as a separate step, as for every dufu family: the trainer after its build,
+or :func:`dufu.engine.pretrained.load_pretrained` in place. Tensors are read one at a time under the wrapped
+model's own names (:class:`AsIsMapping`).
 
 What works without code changes: data parallelism, ZeRO 1/2/3 (FSDP2), activation checkpointing, compile and
 AMP. Each decoder layer becomes its own FSDP / checkpointing unit: transformers' layers carry no ``layer_idx``,
@@ -29,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dufu.errors import ConfigError
+from dufu.models.hub import StoredTensor
 from dufu.models.outputs import ModelOutput
 
 
@@ -77,6 +83,78 @@ def mark_transformer_blocks(model: nn.Module, num_layers: Optional[int]) -> list
     return []
 
 
+# The sizes a pretrained directory's config must agree on with the model (see dufu.models.hub.check_sizes_fit).
+_SIZES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers": "num_hidden_layers",
+          "num_attention_heads": "num_attention_heads", "max_position_embeddings": "max_position_embeddings"}
+
+
+class AsIsMapping:
+    """How :func:`dufu.engine.pretrained.load_pretrained` reads a transformers directory into an
+    :class:`HFAutoModel`. When the directory stores every tensor under the wrapped model's own name (``hf.``
+    stripped; a checkpoint of the bare model without ``base_model_prefix``, e.g. ``gpt_neox.``, or of a model with
+    a head, with it), each is read on its own, lazily. Otherwise the stored names are transformers' older or
+    fused layout (GPT-NeoX's ``embed_out`` is ``lm_head`` in memory), which only transformers' own loader
+    converts: it reads the directory once into a model of the same class, whose tensors are served. Names the
+    directory lacks are left out, for the loader to report; tied names are served by their twin."""
+
+    model_type = "transformers as-is"
+
+    def config_from_hf(self, hf_config: dict) -> dict:
+        text = hf_config.get("text_config") or hf_config
+        return {ours: text.get(theirs) for ours, theirs in _SIZES.items()}
+
+    def tensor_sources(self, weights, module: nn.Module) -> dict:
+        prefix = getattr(module.hf, "base_model_prefix", "") or ""
+        tied = module.tied_parameter_names
+        out = {}
+        for name in module.state_dict():
+            theirs = name.removeprefix("hf.")
+            if prefix and theirs.startswith(prefix + "."):
+                candidates = (theirs, theirs[len(prefix) + 1:])
+            else:
+                candidates = (theirs, f"{prefix}.{theirs}") if prefix else (theirs,)
+            key = next((c for c in candidates if c in weights), None)
+            if key is not None:
+                out[name] = StoredTensor(weights, key)
+        if all(name in out or name in tied for name in module.state_dict()):
+            return out
+        return _converted_by_transformers(module, weights.path)
+
+    # Export (dufu.models.hub.save_pretrained, ``dufu convert --to-hf``): the wrapped model's own names and config.
+    def state_dict_to_hf(self, sd: dict, model: nn.Module) -> dict:
+        tied = model.tied_parameter_names
+        return {k.removeprefix("hf."): v for k, v in sd.items() if k not in tied}
+
+    def config_to_hf(self, model: nn.Module) -> dict:
+        return {**model.hf.config.to_dict(), "architectures": [type(model.hf).__name__]}
+
+    def tied_hf_names(self, model: nn.Module) -> list[str]:
+        return []  # tied names are left out of the state dict already
+
+
+def _converted_by_transformers(module: nn.Module, path) -> dict:
+    """The tensors of ``path`` as transformers loads them into ``module.hf``'s class (renamed and converted),
+    without those it could not find there."""
+    transformers = _import_transformers()
+    kw = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
+    with torch.device("cpu"):
+        loaded, info = type(module.hf).from_pretrained(str(path), config=module.hf.config, local_files_only=True,
+                                                       output_loading_info=True, **kw)
+    missing = {f"hf.{k}" for k in info.get("missing_keys", ())}
+    return {f"hf.{k}": v for k, v in loaded.state_dict().items() if f"hf.{k}" not in missing}
+
+
+def _tied_names(model: nn.Module) -> dict[str, str]:
+    """Each parameter name that is another's tensor (a tied head) -> the first name of that tensor."""
+    first, tied = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
 class HFAutoModel(nn.Module):
     """A transformers model behind dufu's model contract (``forward(**batch).loss``, sizes as attributes).
 
@@ -84,13 +162,15 @@ class HFAutoModel(nn.Module):
         model_type: a transformers ``model_type`` ("gpt_neox", "llama", "mistral", "phi", "qwen2", "bert" ...)
             whose config is built from ``config``.
         config: config fields (``hidden_size``, ``num_hidden_layers`` ...), or changes to ``path``'s config.
-        path: a local Hugging Face model directory; its weights are loaded unless ``load_weights`` is False.
+        path: a local Hugging Face model directory: its config.json defines the model; its weights are recorded as
+            ``pretrained_path`` (loaded after the build, see the module docstring) unless ``load_weights`` is False.
         auto_class: the transformers Auto class that picks the architecture (``AutoModelForCausalLM``,
             ``AutoModelForMaskedLM``, ``AutoModelForSequenceClassification`` ...).
         attn_implementation: "sdpa" (default) or "eager".
     """
 
     main_input_name = "input_ids"
+    hf_mapping = AsIsMapping()  # what dufu.models.hub.adapter_for_model returns for this class
 
     def __init__(
         self,
@@ -110,14 +190,11 @@ class HFAutoModel(nn.Module):
                               "AutoModelForCausalLM or AutoModelForSequenceClassification.")
         if hasattr(hf_config, "use_cache"):
             hf_config.use_cache = False  # training: no key/value cache objects in forward
-        meta = torch.empty(0).is_meta
         # fp32 parameters whatever dtype the checkpoint was saved in: AMP casts per op, the optimizer keeps fp32.
         dtype_kw = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
-        if path is not None and load_weights and not meta:
-            self.hf = factory.from_pretrained(str(path), config=hf_config, local_files_only=True,
-                                              attn_implementation=attn_implementation, **dtype_kw)
-        else:
-            self.hf = factory.from_config(hf_config, attn_implementation=attn_implementation, **dtype_kw)
+        self.hf = factory.from_config(hf_config, attn_implementation=attn_implementation, **dtype_kw)
+        self.pretrained_path = str(path) if path is not None and load_weights else None
+        self.tied_parameter_names = _tied_names(self)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.model_type = hf_config.model_type
         self.vocab_size = getattr(text, "vocab_size", None)

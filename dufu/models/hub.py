@@ -60,6 +60,11 @@ def adapters() -> dict[str, FamilyAdapter]:
 
 
 def adapter_for_model(model: nn.Module) -> FamilyAdapter:
+    """The mapping ``model`` exports through and loads with: its family's, or the one its class carries
+    (``hf_mapping``: a transformers model as-is, :class:`dufu.models.hf_auto.HFAutoModel`)."""
+    own = getattr(type(model), "hf_mapping", None)
+    if own is not None:
+        return own
     for ad in adapters().values():
         if isinstance(model, tuple(ad.dufu_classes)):
             return ad

@@ -67,17 +67,76 @@ def test_an_encoder_with_its_own_labels():
 
 
 def test_from_a_local_directory_with_and_without_weights(tmp_path):
+    from dufu.engine.pretrained import load_pretrained
+
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("gpt_neox", **NEOX))
     hf.save_pretrained(tmp_path)
-    loaded = HFAutoModel(path=str(tmp_path))
+    loaded = HFAutoModel(path=str(tmp_path))  # built from config.json; the weights are a separate step
+    assert loaded.pretrained_path == str(tmp_path)
+    load_pretrained(loaded)
     x = tokens()
     with torch.no_grad():
         torch.testing.assert_close(loaded(input_ids=x).logits, hf.eval()(input_ids=x).logits)
     torch.manual_seed(1)
     fresh = HFAutoModel(path=str(tmp_path), load_weights=False, config={"hidden_dropout": 0.0})
-    assert fresh.hf.config.num_hidden_layers == 2
+    assert fresh.hf.config.num_hidden_layers == 2 and fresh.pretrained_path is None
     assert not torch.equal(fresh.hf.gpt_neox.embed_in.weight, hf.gpt_neox.embed_in.weight)
+
+
+def test_building_reads_no_weights_and_loading_checks_them(tmp_path):
+    from dufu.engine.pretrained import load_pretrained
+    from dufu.errors import DataError
+
+    transformers.AutoConfig.for_model("gpt_neox", **NEOX).save_pretrained(tmp_path)  # config.json, no weights
+    model = HFAutoModel(path=str(tmp_path))
+    assert model.pretrained_path == str(tmp_path) and model.num_layers == 2
+    with pytest.raises(DataError, match="holds no weights"):
+        load_pretrained(model)
+    other = tmp_path / "wider"
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("gpt_neox", **dict(NEOX, hidden_size=128))).save_pretrained(other)
+    with pytest.raises(DataError, match=r"hidden_size=64 \(pretrained: 128\)"):
+        load_pretrained(model, other)
+
+
+def test_tied_weights_a_base_model_checkpoint_and_export(tmp_path):
+    from dufu.engine.pretrained import load_pretrained
+    from dufu.models.hub import save_pretrained
+
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("llama", **SMALL, tie_word_embeddings=True)
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    hf.save_pretrained(tmp_path / "lm")  # the tied head is not stored
+    hf.model.save_pretrained(tmp_path / "base")  # the bare model: names without "model."
+    x = tokens()
+    for source in ("lm", "base"):
+        model = load_pretrained(HFAutoModel(path=str(tmp_path / source)))
+        assert model.hf.lm_head.weight is model.hf.model.embed_tokens.weight
+        with torch.no_grad():
+            torch.testing.assert_close(model.hf.model(input_ids=x).last_hidden_state,
+                                       hf.eval().model(input_ids=x).last_hidden_state)
+    save_pretrained(model, tmp_path / "out")  # dufu's export writes transformers' own layout
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(again(input_ids=x).logits, hf(input_ids=x).logits)
+
+
+def test_the_trainer_loads_the_recorded_weights_after_its_build(tmp_path):
+    from dufu.engine.trainer import Trainer
+    from dufu_testing import FAST, load_config
+
+    pretrained = tmp_path / "pretrained"
+    cfg = load_config("hf_auto_gpt_neox_debug", [*FAST, f"model.path={pretrained}", f"train.output_dir={tmp_path}/run"])
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("gpt_neox", **dict(cfg.model.config))
+    hf = transformers.AutoModelForCausalLM.from_config(config)
+    hf.save_pretrained(pretrained)
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    theirs = hf.state_dict()
+    for name, tensor in trainer.model.hf.state_dict().items():
+        torch.testing.assert_close(tensor, theirs[name], msg=name)
 
 
 def test_meta_build_and_clear_errors():
