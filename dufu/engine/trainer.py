@@ -34,7 +34,13 @@ from dufu.engine.evaluation import evaluate
 from dufu.engine.flops import device_peak_flops
 from dufu.engine.generate import generate
 from dufu.engine.loss_scaler import DynamicLossScaler
-from dufu.engine.preflight import build_model, plan_run, preflight, with_kwargs  # noqa: F401 (preflight: callers)
+from dufu.engine.preflight import (  # noqa: F401 (preflight: callers)
+    build_model,
+    load_pretrained,
+    plan_run,
+    preflight,
+    with_kwargs,
+)
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
@@ -106,7 +112,10 @@ class Trainer:
         per-module initialisation (a transformers model as-is) or train.meta_init=False asks for it."""
         model = plan.model
         if not supports_meta_init(model):  # built in full, with the same values on every rank
-            return build_model(self.cfg, self.tokenizer, self.seq_length)
+            model = build_model(self.cfg, self.tokenizer, self.seq_length)
+            if self.pretrained.source is not None:  # its weights: a separate step after the build
+                load_pretrained(model, self.pretrained.path)
+            return model
         if not self.meta_init:  # the full model on every rank, with the values the meta path gives
             materialize_(model, model, torch.device("cpu"), seed=self.cfg.train.seed, pretrained=self.pretrained.source)
         return model
