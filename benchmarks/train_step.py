@@ -67,7 +67,8 @@ from dufu.config import LazyConfig, resolve_config_path
 from dufu.data import collate
 from dufu.data.tokenizer import BYTE_VOCAB_SIZE
 from dufu.engine.flops import count_matmul_params, device_peak_flops, flops_per_token
-from dufu.engine.trainer import Trainer, to_model_inputs
+from dufu.engine.batch import to_model_inputs
+from dufu.engine.trainer import Trainer
 
 IMPLS = ("dufu", "plain", "hf")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}

@@ -28,19 +28,13 @@ import torch.distributed as dist
 from dufu.config import LazyConfig, instantiate
 from dufu.data import ResumableBatchSampler, collate
 from dufu.engine import diagnose, faults, report
-from dufu.engine.batch import count_loss_targets, local_scalar, to_model_inputs  # noqa: F401 (to_model_inputs: benchmarks)
+from dufu.engine.batch import count_loss_targets, local_scalar, to_model_inputs
 from dufu.engine.checkpoint import Checkpointer
 from dufu.engine.evaluation import evaluate
 from dufu.engine.flops import device_peak_flops
 from dufu.engine.generate import generate
 from dufu.engine.loss_scaler import DynamicLossScaler
-from dufu.engine.preflight import (  # noqa: F401 (preflight: callers)
-    build_model,
-    load_pretrained,
-    plan_run,
-    preflight,
-    with_kwargs,
-)
+from dufu.engine.preflight import build_model, load_pretrained, plan_run, with_kwargs
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
@@ -97,7 +91,8 @@ class Trainer:
             len(self.train_ds), self.global_batch_size, self.micro_batch_size,
             data_parallel_rank=self.dp_rank, data_parallel_size=self.dims.data_parallel_size, seed=t.seed,
         )
-        self.scaler = DynamicLossScaler() if self.amp_dtype == torch.float16 else None  # bf16 needs none
+        self.scaler = (DynamicLossScaler(**t.amp.get("loss_scaler", {}))  # bf16 has fp32's range: no scaling
+                       if self.amp_dtype == torch.float16 else None)
         self.step, self.last_lr = 0, 0.0
         self.skipped_steps = 0  # updates dropped for a non-finite gradient under nan_policy="skip"
         self.activity = "before the first step"  # where the loop is, for DistributedFailure messages
@@ -284,7 +279,8 @@ class Trainer:
             self.activity = f"at step {self.step + 1}"
             loss, grad_norm = self.train_step(self.sampler.next_step())
             self.step += 1
-            if not math.isfinite(loss) and t.get("nan_policy", "stop") == "stop":
+            # Under fp16 a non-finite loss is an overflow the loss scaler has already skipped and backed off from.
+            if not math.isfinite(loss) and self.scaler is None and t.get("nan_policy", "stop") == "stop":
                 log.close()
                 raise diagnose.non_finite_loss(loss, self.step)
             log.step(loss, grad_norm)

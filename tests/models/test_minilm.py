@@ -9,8 +9,6 @@ Run as a script under torchrun, this file is the tensor-parallel worker.
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -131,11 +129,9 @@ def test_tensor_parallel_minilm_matches_one_process(path, reference, ours, tmp_p
     _, hidden = ours
     torch.save({"path": path, "input_ids": reference["input_ids"], "attention_mask": reference["attention_mask"]},
                tmp_path / "inputs.pt")
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--standalone", __file__,
-           str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    import launch  # the shared test launcher (this module is also the torchrun worker, run without tests/ on sys.path)
+
+    launch.assert_ok(launch.run(launch.torchrun_command(__file__, 2, tmp_path), timeout=300))
     out = torch.load(tmp_path / "tp_out.pt", weights_only=True)
     assert out["local_q_shape"] == (192, 384)  # each rank holds 6 of the 12 heads
     mask = reference["attention_mask"]

@@ -1,6 +1,6 @@
 """A layout that cannot work fails at start-up, before any work, with the arithmetic and a fix.
 
-Almost every case calls the launcher's own preflight (``dufu.engine.trainer.preflight``) in-process for a
+Almost every case calls the launcher's own preflight (``dufu.engine.preflight.preflight``) in-process for a
 given world size: the same checks ``dufu train --nproc N`` runs in the parent before it starts workers.
 One test runs the real command line.
 """
@@ -11,7 +11,7 @@ import pytest
 from torch import nn
 
 from dufu.parallel.parallel_dims import ParallelDims
-from dufu.engine.trainer import preflight
+from dufu.engine.preflight import preflight
 from dufu.errors import LayoutError
 from dufu.parallel.checks import validate_layout
 from dufu_testing import load_config

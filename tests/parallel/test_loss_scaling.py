@@ -1,8 +1,9 @@
 """fp16 dynamic loss scaling (dufu.engine.loss_scaler) does what it claims, the same in every layout.
 
 gpt_debug in fp16 for 6 steps, the scaler starting at 256 and growing after every 2 clean steps
-(tests/parallel/loss_scaler_worker.py sets that), and a NaN injected into every rank's gradients at step 4
-(``DUFU_FAULT=nan:*:4``, under ``train.nan_policy=skip``): a deterministic overflow. metrics.jsonl must show
+(``train.amp.loss_scaler.*``), and a NaN injected into every rank's gradients at step 4
+(``DUFU_FAULT=nan:*:4``, under the default ``train.nan_policy=stop``, which must not stop an fp16 run for an
+overflow the scaler skips): a deterministic overflow. metrics.jsonl must show
 the scale grow (x2 after steps 2 and 6), back off at the overflow (x0.5, step 4 skipped and counted) and the
 run go on; dp2, tp2 and pp2 log the same scales, skips and (fp16) losses as one process, and end with its
 weights. 256 keeps every scaled gradient far from fp16's overflow (65504): the only overflow is the injected one.
@@ -10,7 +11,6 @@ weights. 256 keeps every scaled gradient far from fp16's overflow (65504): the o
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,10 +20,8 @@ from parity import PARITY_ARGS, assert_matches_reference, collect
 
 pytestmark = pytest.mark.multiprocess
 
-WORKER = Path(__file__).with_name("loss_scaler_worker.py")
 ARGS = (*PARITY_ARGS, "train.train_iter=6", "train.checkpointer.period=6", "train.amp.enabled=True",
-        "train.amp.dtype=fp16", "train.nan_policy=skip")
-SCALER = {"DUFU_TEST_LOSS_SCALER": "init_scale=256,growth_interval=2"}
+        "train.amp.dtype=fp16", "train.amp.loss_scaler.init_scale=256", "train.amp.loss_scaler.growth_interval=2")
 FAULT = "nan:*:4"
 # Scale after each step: clean steps 1-3 (growth after the 2nd), overflow at 4 (backoff, skipped), clean 5-6
 # (growth after the 2nd clean step since the overflow).
@@ -32,9 +30,8 @@ EXPECTED_SKIPPED = [0, 0, 0, 1, 1, 1]
 
 
 def fp16_run(out: Path, nproc: int, *overrides: str):
-    args = ("train", "gpt_debug", f"train.output_dir={out}", *ARGS, *overrides)
-    cmd = launch.torchrun_command(WORKER, nproc, *args) if nproc > 1 else [sys.executable, str(WORKER), *args]
-    launch.assert_ok(launch.run(cmd, output_dir=out, env=SCALER, fault=FAULT, retry=True))
+    cmd = launch.train_command("gpt_debug", out, nproc, *ARGS, *overrides)
+    launch.assert_ok(launch.run(cmd, output_dir=out, fault=FAULT, retry=True))
     return collect(out)
 
 

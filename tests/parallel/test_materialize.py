@@ -103,7 +103,7 @@ def test_pretrained_source_fills_only_what_the_part_holds(tmp_path, monkeypatch)
 def test_meta_init_off_gives_the_same_run(tmp_path):
     """train.meta_init=False (the full model on every rank first) starts from the same weights."""
     from dufu_testing import train
-    from parallel_runs import losses
+    from parity import losses
 
     args = ("train.train_iter=3", "train.evaluation.enabled=False", "train.tensorboard=False")
     meta = train(tmp_path / "meta", args, recipe="gpt_debug")

@@ -22,7 +22,14 @@ train = dict(
     clip_grad_norm=1.0,
     # max_iter and optimizer are filled in by the trainer.
     scheduler=L(WarmupCosineLR)(warmup_iter=100, warmup_factor=0.0, min_lr_ratio=0.1),
-    amp=dict(enabled=False, dtype="bf16"),  # "bf16" | "fp16" (fp16 uses dynamic loss scaling)
+    amp=dict(
+        enabled=False,
+        dtype="bf16",  # "bf16" | "fp16" (fp16 uses dynamic loss scaling)
+        # fp16's dynamic loss scaler (Micikevicius et al. 2018; the values torch.amp.GradScaler starts from):
+        # the scale halves on an overflowing step (which is skipped) and doubles after growth_interval clean ones
+        loss_scaler=dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
+                         min_scale=1.0),
+    ),
     # True: build the model on the meta device and allocate only each rank's shards after splitting and
     # sharding (dufu.parallel.materialize). False: every rank builds the full fp32 model first (what a
     # model without a per-module init, such as HFAutoModel, always gets). The initial weights are the same.
