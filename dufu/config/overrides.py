@@ -21,6 +21,9 @@ from .node import closest, iter_key_paths
 
 __all__ = ["apply_overrides", "parse_value"]
 
+# Settings that are a switch or a named choice: a bool, or a word such as "auto" (the setting's own checks say
+# which words it takes). Any other bool or str key keeps its type.
+SWITCH_OR_CHOICE = frozenset({"train.amp.enabled"})
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _WORDS = {"true": True, "false": False, "null": None, "none": None, "~": None}
 
@@ -196,6 +199,8 @@ def _coerce(key: str, current: Any, value: Any, raw: str, item: str) -> Any:
             f"override {item!r} gives {_short(value)} of type {type(value).__name__}. {hint}"
         )
 
+    if key in SWITCH_OR_CHOICE and isinstance(current, (bool, str)) and isinstance(value, (bool, str)):
+        return value
     raw_text = raw.strip()
     quote_hint = (
         f"If you mean the text, quote it so it stays a string: {key}=\"'{raw_text}'\"."

@@ -20,6 +20,5 @@ train.update(
     log_period=10,
 )
 train.scheduler.warmup_iter = 1000
-train.amp.enabled = True
 train.evaluation.update(eval_period=1000, eval_iter=1)
 train.checkpointer.period = 1000

@@ -29,7 +29,6 @@ train.update(
     log_period=10,
 )
 train.scheduler.warmup_iter = 30
-train.amp.enabled = True  # bf16 autocast
 train.evaluation.eval_period = 100
 train.evaluation.eval_iter = 8
 train.checkpointer.period = 200

@@ -18,7 +18,6 @@ train.update(
     log_period=10,
 )
 train.scheduler.warmup_iter = 200
-train.amp.enabled = True
 train.evaluation.update(eval_period=500, eval_iter=20)
 train.checkpointer.period = 1000
 train.generation.update(enabled=True, prompts=["The "], max_new_tokens=64)

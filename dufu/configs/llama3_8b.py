@@ -25,7 +25,6 @@ train.update(
     log_period=10,
 )
 train.scheduler.warmup_iter = 200
-train.amp.enabled = True
 train.activation_checkpoint.enabled = True
 train.evaluation.update(eval_period=500, eval_iter=20)
 train.checkpointer.period = 1000

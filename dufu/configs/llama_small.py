@@ -1,5 +1,5 @@
 # Pretraining a small LLaMA on the built-in corpus (the LLaMA counterpart of the default recipe): 4 layers,
-# hidden 256, 4 query / 2 key-value heads, 2048-token BPE, sequence 128, bf16, generated samples at the end.
+# hidden 256, 4 query / 2 key-value heads, 2048-token BPE, sequence 128, the fast dtype (train.amp.enabled="auto"), generated samples at the end.
 from .common.data.corpus import dataloader, tokenization
 from .common.models.llama import model
 from .common.optim import optim
@@ -27,7 +27,6 @@ train.update(
     log_period=10,
 )
 train.scheduler.warmup_iter = 30
-train.amp.enabled = True  # bf16 autocast
 train.evaluation.update(eval_period=200, eval_iter=8)
 train.checkpointer.period = 200
 train.generation.update(enabled=True, prompts=["The ", "A class ", "Python "], max_new_tokens=48)

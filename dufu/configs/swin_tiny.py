@@ -17,6 +17,5 @@ train.update(
     log_period=10,
 )
 train.scheduler.warmup_iter = 200
-train.amp.enabled = True
 train.evaluation.update(eval_period=200, eval_iter=1)
 train.checkpointer.period = 1000

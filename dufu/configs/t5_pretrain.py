@@ -26,6 +26,5 @@ train.update(
     log_period=10,
 )
 train.scheduler.warmup_iter = 40
-train.amp.enabled = True  # bf16 autocast
 train.evaluation.update(eval_period=200, eval_iter=4)
 train.checkpointer.period = 200

@@ -24,8 +24,10 @@ Peak FLOP/s, per device and dtype:
   and cached as the best value ever seen, per CPU model, thread count, dtype and
   torch version, in the dufu cache directory (a reading taken while other
   processes share the cores is low and does not stick).
-  On the 2-thread Sapphire Rapids machines dufu is developed on this gives
-  about 350 GFLOP/s (fp32) and 2,000 GFLOP/s (bf16, AMX).
+  Measured on 2 threads: Sapphire Rapids about 350 GFLOP/s fp32 and 2,000 bf16
+  (AMX); AMD EPYC Zen 4 about 200 fp32 and 430 bf16 (AVX512-BF16); Ice Lake
+  about 260 fp32 and 60 bf16 (no bf16 hardware). dufu.engine.precision picks
+  the training dtype from these numbers.
 * ``train.peak_tflops`` in the config (or ``DUFU_PEAK_TFLOPS``) overrides both.
 """
 
@@ -108,8 +110,11 @@ def measure_matmul_flops(dtype: torch.dtype, device: torch.device, size: int = 2
     return best
 
 
-def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None) -> tuple[float, str]:
-    """(peak FLOP/s of one device in ``dtype``, a sentence saying where the number comes from)."""
+def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None,
+                      remeasure: bool = True) -> tuple[float, str]:
+    """(peak FLOP/s of one device in ``dtype``, a sentence saying where the number comes from).
+
+    ``remeasure=False`` takes the cached best value where there is one (no 0.6 s measurement)."""
     if override_tflops is None and os.environ.get("DUFU_PEAK_TFLOPS"):
         override_tflops = float(os.environ["DUFU_PEAK_TFLOPS"])
     if override_tflops is not None:
@@ -131,7 +136,7 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops:
         table = {}
     # Measure at every start (0.6 s) and keep the best value ever seen: a measurement taken while other
     # processes share the cores reads low, and must not stick.
-    measured = measure_matmul_flops(dtype, device)
+    measured = measure_matmul_flops(dtype, device) if remeasure or key not in table else 0.0
     if measured > table.get(key, 0.0):
         table[key] = measured
         try:

@@ -21,7 +21,7 @@ def model_flops_per_token(model, seq_length: int) -> float:
 def describe(trainer) -> str:
     """The start-up summary: model, layout, batch arithmetic, data, MFU basis, weights, output, notices."""
     t = trainer.cfg.train
-    amp = f"{t.amp.dtype} autocast" if t.amp.enabled else "fp32"
+    amp = trainer.precision.name
     zero = f", ZeRO stage {t.zero_optimization.stage}" if t.zero_optimization.enabled else ""
     extras = []
     if t.dist.get("sequence_parallel"):
@@ -40,6 +40,7 @@ def describe(trainer) -> str:
         f"{trainer.tokens_per_step:,} tokens/step",
         f"  data         {len(trainer.train_ds):,} training samples, {valid:,} validation samples; tokenizer vocab "
         f"{trainer.tokenizer.vocab_size:,}",
+        f"  precision    {amp}: {trainer.precision.reason}",
         f"  MFU          {trainer.flops_per_token / 1e6:,.1f} MFLOP/token (6N + 12*L*H*T); peak {trainer.peak_source}",
         weights_line(trainer),
         f"  output       {trainer.output_dir}",

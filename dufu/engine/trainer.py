@@ -31,9 +31,9 @@ from dufu.engine import diagnose, faults, report
 from dufu.engine.batch import count_loss_targets, local_scalar, to_model_inputs
 from dufu.engine.checkpoint import Checkpointer
 from dufu.engine.evaluation import evaluate
-from dufu.engine.flops import device_peak_flops
 from dufu.engine.generate import generate
 from dufu.engine.loss_scaler import DynamicLossScaler
+from dufu.engine.precision import agree, choose_precision
 from dufu.engine.preflight import build_model, load_pretrained, plan_run, with_kwargs
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
@@ -41,8 +41,6 @@ from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
 from dufu.parallel.launch import init_distributed
 from dufu.parallel.materialize import materialize_, supports_meta_init
 from dufu.parallel.pipeline import split_pipeline_batch
-
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 class Trainer:
@@ -61,7 +59,6 @@ class Trainer:
         self.tokenizer, self.train_ds, self.valid_ds = plan.tokenizer, plan.train_ds, plan.valid_ds
         self.seq_length, self.tokens_per_step = plan.seq_length, self.global_batch_size * plan.seq_length
         self.device = env.pick_device(self.local_rank) if t.get("device", "auto") == "auto" else torch.device(t.device)
-        self.amp_dtype = AMP_DTYPES[t.amp.dtype] if t.amp.enabled else None
         self.output_dir = Path(t.output_dir)
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", t.checkpointer.max_to_keep, self.rank,
                                          async_save=t.checkpointer.get("async_save", False))
@@ -78,6 +75,12 @@ class Trainer:
         # A gloo group used only to find unresponsive ranks when a collective fails (works beside NCCL too).
         self.health_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self.pp_rank, self.dp_rank, self.tp_rank = self.mesh.get_coordinate() if self.mesh is not None else (0, 0, 0)
+        # The dtype: rank 0 measures the device (train.amp.enabled="auto" picks the faster), every rank follows.
+        self.precision = agree(choose_precision(t.amp.enabled, t.amp.dtype, self.device, t.get("peak_tflops"))
+                               if self.is_main else None, self.health_group)
+        self.amp_dtype, self.peak_flops, self.peak_source = (self.precision.dtype, self.precision.peak_flops,
+                                                             self.precision.peak_source)
+        self.notices += [self.precision.notice] if self.precision.notice else []
         self.parts = self._build_parts(model, plan.stage_ids)
         self.model_parts, self.schedule, self.model = self.parts.modules, self.parts.schedule, self.parts.modules[0]
         del model, plan
@@ -97,8 +100,6 @@ class Trainer:
         self.skipped_steps = 0  # updates dropped for a non-finite gradient under nan_policy="skip"
         self.activity = "before the first step"  # where the loop is, for DistributedFailure messages
         self.eval_enabled = bool(t.evaluation.enabled) and self.valid_ds is not None
-        self.peak_flops, self.peak_source = device_peak_flops(self.device, self.amp_dtype or torch.float32,
-                                                              t.get("peak_tflops"))
         faults.install(self)  # DUFU_FAULT's test faults (a no-op without it)
 
     # ------------------------------------------------------------- building

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from dufu.engine.precision import check_setting
 from dufu.errors import ConfigError
 
 NAMESPACES = ("model", "train", "optim", "dataloader", "tokenization")
-AMP_DTYPES = ("bf16", "fp16")
 
 
 def _require(cfg, dotted: str):
@@ -64,8 +64,10 @@ def validate_config(cfg) -> None:
             f"train.nan_policy = {t.nan_policy!r} is not known; use \"stop\" (stop and name the tensor) or "
             "\"skip\" (skip the update and count it)."
         )
-    if t.amp.dtype not in AMP_DTYPES:
-        raise ConfigError(f"train.amp.dtype = {t.amp.dtype!r} is not supported; use one of {AMP_DTYPES} (e.g. train.amp.dtype=bf16).")
+    try:
+        check_setting(t.amp.enabled, t.amp.dtype)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
     if t.zero_optimization.stage not in (1, 2, 3):
         raise ConfigError(
             f"train.zero_optimization.stage = {t.zero_optimization.stage!r}: ZeRO stages are 1 (optimizer state), "

@@ -17,6 +17,7 @@ def make_cfg():
             output_dir="output",
             resume=None,
             amp=dict(enabled=False, dtype="bf16"),
+            tensorboard=True,
             milestones=[10, 20],
             betas=(0.9, 0.95),
         ),
@@ -87,11 +88,19 @@ def test_single_string_and_float_specials():
 
 
 def test_bool_keys_need_bools():
-    for text in ("train.amp.enabled=1", "train.amp.enabled=0", "train.amp.enabled=yes"):
+    for text in ("train.tensorboard=1", "train.tensorboard=0", "train.tensorboard=yes"):
         with pytest.raises(ConfigError) as info:
             apply(text)
         message = str(info.value)
-        assert "'train.amp.enabled'" in message and "a bool" in message and "true" in message
+        assert "'train.tensorboard'" in message and "a bool" in message and "true" in message
+
+
+def test_a_switch_or_choice_key_takes_a_bool_or_a_word_but_not_a_number():
+    # train.amp.enabled is True/False or a word ("auto", "bf16"); which words is validate_config's business
+    assert apply("train.amp.enabled=auto").train.amp.enabled == "auto"
+    assert apply("train.amp.enabled=true").train.amp.enabled is True
+    with pytest.raises(ConfigError, match="'train.amp.enabled' expects a bool"):
+        apply("train.amp.enabled=1")
 
 
 def test_int_keys_reject_floats_bools_and_text():

@@ -22,9 +22,11 @@ train = dict(
     clip_grad_norm=1.0,
     # max_iter and optimizer are filled in by the trainer.
     scheduler=L(WarmupCosineLR)(warmup_iter=100, warmup_factor=0.0, min_lr_ratio=0.1),
+    # Mixed precision. enabled: "auto" (autocast where this device's measured bf16, or fp16, matmul throughput beats
+    # fp32's, else fp32: dufu.engine.precision), True (autocast to dtype), False (fp32), "bf16" or "fp16".
     amp=dict(
-        enabled=False,
-        dtype="bf16",  # "bf16" | "fp16" (fp16 uses dynamic loss scaling)
+        enabled="auto",
+        dtype="bf16",  # for enabled=True: "bf16" | "fp16" (fp16 uses dynamic loss scaling)
         # fp16's dynamic loss scaler (Micikevicius et al. 2018; the values torch.amp.GradScaler starts from):
         # the scale halves on an overflowing step (which is skipped) and doubles after growth_interval clean ones
         loss_scaler=dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,

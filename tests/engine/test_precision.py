@@ -1,0 +1,125 @@
+"""train.amp.enabled: "auto" picks the faster dtype from measured matmul peaks; explicit choices are obeyed, with a
+notice when they are the slow one; MFU is measured against the peak of the dtype in use."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dufu.config.overrides import apply_overrides
+from dufu.engine.precision import MIN_SPEEDUP, choose_precision
+from dufu.errors import ConfigError
+from dufu_testing import load_config, train
+
+# Measured matmul peaks (GFLOP/s, 2 threads) of the CPUs dufu has run on.
+ICE_LAKE = {torch.float32: 262.0, torch.bfloat16: 61.0}  # AVX-512, no bf16 hardware
+ZEN_4 = {torch.float32: 200.0, torch.bfloat16: 430.0}  # AVX512-BF16
+SAPPHIRE_RAPIDS = {torch.float32: 350.0, torch.bfloat16: 2000.0}  # AMX
+CPU = torch.device("cpu")
+
+
+class FakePeaks:
+    """A device whose matmul peaks are ``table``; records which dtypes were asked and whether re-measured."""
+
+    def __init__(self, table):
+        self.table, self.calls = table, []
+
+    def __call__(self, device, dtype, override_tflops=None, remeasure=True):
+        self.calls.append((dtype, remeasure))
+        if override_tflops is not None:
+            return override_tflops * 1e12, "given"
+        return self.table[dtype] * 1e9, f"measured {dtype}"
+
+
+@pytest.mark.parametrize("cpu, expected", [(ICE_LAKE, None), (ZEN_4, torch.bfloat16),
+                                           (SAPPHIRE_RAPIDS, torch.bfloat16)])
+def test_auto_picks_the_dtype_whose_matmul_is_faster(cpu, expected):
+    peaks = FakePeaks(cpu)
+    p = choose_precision("auto", "bf16", CPU, peak_fn=peaks)
+    assert p.dtype == expected and p.notice is None
+    assert p.reason.startswith("auto: bf16 matmul") and f"{cpu[torch.bfloat16]:,.0f} GFLOP/s" in p.reason
+    # MFU against the peak of the dtype in use, measured again (only that one) so the cached best stays fresh
+    used = expected or torch.float32
+    assert p.peak_flops == cpu[used] * 1e9 and peaks.calls[-1] == (used, True)
+    assert [remeasure for _, remeasure in peaks.calls[:-1]] == [False, False]
+    assert p.peaks == {"fp32": cpu[torch.float32] * 1e9, "bf16": cpu[torch.bfloat16] * 1e9}
+    assert p.name == ("bf16 autocast" if expected else "fp32")
+
+
+def test_auto_needs_a_real_speedup_not_a_tie():
+    just_below = {torch.float32: 100.0, torch.bfloat16: 100.0 * MIN_SPEEDUP - 1}
+    assert choose_precision("auto", "bf16", CPU, peak_fn=FakePeaks(just_below)).dtype is None
+    at = {torch.float32: 100.0, torch.bfloat16: 100.0 * MIN_SPEEDUP}
+    assert choose_precision("auto", "bf16", CPU, peak_fn=FakePeaks(at)).dtype == torch.bfloat16
+
+
+def test_explicit_choices_are_obeyed_with_a_notice_when_slow():
+    slow = choose_precision(True, "bf16", CPU, peak_fn=FakePeaks(ICE_LAKE))
+    assert slow.dtype == torch.bfloat16 and slow.peak_flops == 61e9
+    assert "bf16 autocast is the slow choice" in slow.notice and "auto would train in fp32" in slow.notice
+    assert choose_precision("bf16", "fp16", CPU, peak_fn=FakePeaks(ICE_LAKE)).dtype == torch.bfloat16
+
+    fp32 = choose_precision(False, "bf16", CPU, peak_fn=FakePeaks(ZEN_4))
+    assert fp32.dtype is None and fp32.peak_flops == 200e9
+    assert "fp32 is the slow choice" in fp32.notice and "auto would use bf16" in fp32.notice
+
+    fast = choose_precision(True, "bf16", CPU, peak_fn=FakePeaks(SAPPHIRE_RAPIDS))
+    assert fast.dtype == torch.bfloat16 and fast.notice is None
+    assert choose_precision(False, "bf16", CPU, peak_fn=FakePeaks(ICE_LAKE)).notice is None
+
+
+def test_fp16_with_loss_scaling_on_a_gpu_without_bf16(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
+    volta = FakePeaks({torch.float32: 15_700.0, torch.float16: 125_000.0})
+    p = choose_precision("auto", "bf16", torch.device("cuda"), peak_fn=volta)
+    assert p.dtype == torch.float16 and p.name == "fp16 autocast with loss scaling"
+    assert p.reason.startswith("auto: fp16 matmul")
+
+
+def test_a_given_peak_skips_measuring_for_explicit_settings_only():
+    peaks = FakePeaks(ZEN_4)
+    p = choose_precision(False, "bf16", CPU, override_tflops=1.0, peak_fn=peaks)
+    assert p.dtype is None and p.peak_flops == 1e12 and p.notice is None
+    assert peaks.calls == [(torch.float32, False)]  # the override answers; nothing is measured
+    peaks = FakePeaks(ZEN_4)
+    p = choose_precision("auto", "bf16", CPU, override_tflops=1.0, peak_fn=peaks)
+    assert p.dtype == torch.bfloat16 and p.peak_flops == 1e12  # decided by measurement, MFU basis as given
+
+
+@pytest.mark.parametrize("override, value", [("train.amp.enabled=auto", "auto"), ("train.amp.enabled=bf16", "bf16"),
+                                             ("train.amp.enabled=true", True), ("train.amp.enabled=false", False)])
+def test_the_setting_takes_a_bool_or_a_word_on_the_command_line(override, value):
+    for start in ("gpt_debug", "gpt2_small"):  # fp32 recipe (False) and default ("auto")
+        cfg = load_config(start)
+        apply_overrides(cfg, [override])
+        assert cfg.train.amp.enabled == value and type(cfg.train.amp.enabled) is type(value)
+
+
+def test_unknown_settings_are_refused_with_the_choices():
+    from dufu.engine.validate import validate_config
+
+    cfg = load_config("gpt_debug")
+    apply_overrides(cfg, ["train.amp.enabled=bf17"])
+    with pytest.raises(ConfigError, match="train.amp.enabled = 'bf17' is not a precision setting.*auto"):
+        validate_config(cfg)
+    cfg = load_config("gpt_debug", ["train.amp.enabled=True", "train.amp.dtype=fp8"])
+    with pytest.raises(ConfigError, match="train.amp.dtype = 'fp8' is not supported"):
+        validate_config(cfg)
+    with pytest.raises(ConfigError, match="expects a str"):  # 1 is neither a switch nor a word
+        apply_overrides(load_config("gpt2_small"), ["train.amp.enabled=1"])
+
+
+def test_recipes_default_to_auto_and_debug_recipes_to_fp32():
+    assert load_config("default").train.amp.enabled == "auto"
+    assert load_config("gpt2_small").train.amp.enabled == "auto"
+    assert load_config("gpt_debug").train.amp.enabled is False  # the parity tests' fp32 numbers
+
+
+def test_a_run_on_auto_says_which_dtype_and_why(tmp_path):
+    run = train(tmp_path / "auto", ["train.amp.enabled=auto", "train.train_iter=2", "train.checkpointer.period=0"])
+    p = run.trainer.precision
+    out = "\n".join(run.log)
+    assert f"precision    {p.name}: auto: bf16 matmul" in out
+    assert run.trainer.amp_dtype == p.dtype and p.peak_flops == 1e12  # train.peak_tflops=1.0 is the MFU basis
+    # the decision follows the measured (cached) peaks of this machine
+    assert (p.dtype == torch.bfloat16) == (p.peaks["bf16"] >= MIN_SPEEDUP * p.peaks["fp32"])
