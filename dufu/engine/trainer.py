@@ -34,7 +34,8 @@ from dufu.engine.evaluation import evaluate
 from dufu.engine.generate import generate
 from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.precision import agree, choose_precision
-from dufu.engine.preflight import build_model, load_pretrained, plan_run, with_kwargs
+from dufu.engine.preflight import build_model, plan_run, with_kwargs
+from dufu.engine.pretrained import load_pretrained
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
@@ -217,16 +218,34 @@ class Trainer:
         batches = [self.batch(self.train_ds, indices) for indices in micro_batches]
         self.count_global_targets(batches)
         total = torch.zeros((), device=self.device)
-        for i, inputs in enumerate(batches):
-            for part in self.model_parts:  # reduce gradients once, after the last micro-batch
-                if hasattr(part, "set_requires_gradient_sync"):
-                    part.set_requires_gradient_sync(i == len(batches) - 1)
-            with self.autocast(amp=False):  # the vocabulary-parallel loss, for forward and backward
-                with self.autocast(loss=False):  # mixed precision for the forward only
-                    loss = self.model(**inputs).loss * self.target_weight(inputs)
-                (loss * self.scaler.scale if self.scaler else loss).backward()  # outside autocast (torch's advice)
-            total += local_scalar(loss)
+        with self.cast_cache(len(batches)):
+            for i, inputs in enumerate(batches):
+                self.micro_step(inputs, last=i == len(batches) - 1, total=total)
         return total
+
+    def cast_cache(self, num_micro_batches: int):
+        """Keep autocast's low-precision copies of the weights from the first micro-batch's forward to the end
+        of the step, so the later micro-batches reuse them instead of casting every weight again (autocast
+        drops its cache when the outermost autocast region ends: this outer region, with autocast itself off,
+        spans the step). Not under ZeRO-3, where it would hold a copy of every gathered weight for the step.
+        train.amp.cache_weight_casts=False: cast in every forward."""
+        t = self.cfg.train
+        if (self.amp_dtype is None or num_micro_batches < 2 or not t.amp.get("cache_weight_casts", True)
+                or (t.zero_optimization.enabled and t.zero_optimization.stage >= 3)):
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, enabled=False)
+
+    def micro_step(self, inputs: dict, last: bool, total: torch.Tensor) -> None:
+        """Forward and backward of one micro-batch (gradients reduced after the ``last``); adds its loss to
+        ``total``."""
+        for part in self.model_parts:  # reduce gradients once, after the last micro-batch
+            if hasattr(part, "set_requires_gradient_sync"):
+                part.set_requires_gradient_sync(last)
+        with self.autocast(amp=False):  # the vocabulary-parallel loss, for forward and backward
+            with self.autocast(loss=False):  # mixed precision for the forward only
+                loss = self.model(**inputs).loss * self.target_weight(inputs)
+            (loss * self.scaler.scale if self.scaler else loss).backward()  # outside autocast (torch's advice)
+        total += local_scalar(loss)
 
     def train_step(self, micro_batches: list[list[int]]) -> tuple[float, float]:
         """Forward/backward over one global batch, clip, update. Returns (loss, grad_norm)."""

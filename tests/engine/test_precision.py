@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from dufu.config.overrides import apply_overrides
 from dufu.engine.precision import MIN_SPEEDUP, choose_precision
 from dufu.errors import ConfigError
-from dufu_testing import load_config, train
+from dufu_testing import FAST, load_config, train
 
 # Measured matmul peaks (GFLOP/s, 2 threads) of the CPUs dufu has run on.
 ICE_LAKE = {torch.float32: 262.0, torch.bfloat16: 61.0}  # AVX-512, no bf16 hardware
@@ -123,3 +124,39 @@ def test_a_run_on_auto_says_which_dtype_and_why(tmp_path):
     assert run.trainer.amp_dtype == p.dtype and p.peak_flops == 1e12  # train.peak_tflops=1.0 is the MFU basis
     # the decision follows the measured (cached) peaks of this machine
     assert (p.dtype == torch.bfloat16) == (p.peaks["bf16"] >= MIN_SPEEDUP * p.peaks["fp32"])
+
+
+class CountCasts(TorchDispatchMode):
+    """Counts the casts to bf16 that reach the kernels."""
+
+    def __init__(self):
+        super().__init__()
+        self.casts = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16:
+            self.casts += 1
+        return func(*args, **kwargs)
+
+
+def test_weights_are_cast_once_per_step_not_per_micro_batch(tmp_path):
+    from dufu.engine.trainer import Trainer
+
+    def step(cache: bool):
+        cfg = load_config("gpt_debug", [*FAST, "train.amp.enabled=bf16", "train.train_micro_batch_size=2",
+                                        "train.global_batch_size=8", f"train.amp.cache_weight_casts={cache}",
+                                        f"train.output_dir={tmp_path / str(cache)}"])
+        trainer = Trainer(cfg, log=lambda *a: None)
+        trainer._begin()
+        counter = CountCasts()
+        with counter:
+            loss, _ = trainer.train_step(trainer.sampler.next_step())
+        weights = sum(1 for p in trainer.model.parameters() if p.ndim == 2)
+        return loss, counter.casts, weights
+
+    cached_loss, cached, weights = step(True)
+    loss, uncached, _ = step(False)
+    assert cached_loss == loss  # the same bf16 copies, reused: bit for bit the same step
+    # 4 micro-batches: the uncached step casts every matmul weight in each forward, the cached one once
+    assert uncached - cached >= 3 * (weights - 1), (uncached, cached, weights)

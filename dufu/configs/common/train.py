@@ -31,6 +31,8 @@ train = dict(
         # the scale halves on an overflowing step (which is skipped) and doubles after growth_interval clean ones
         loss_scaler=dict(init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
                          min_scale=1.0),
+        # Cast each weight to the autocast dtype once per step, not once per micro-batch (not under ZeRO-3).
+        cache_weight_casts=True,
     ),
     # True: build the model on the meta device and allocate only each rank's shards after splitting and
     # sharding (dufu.parallel.materialize). False: every rank builds the full fp32 model first (what a
