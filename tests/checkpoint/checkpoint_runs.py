@@ -4,20 +4,19 @@ Every run here is `python -m dufu train ...` in a subprocess (through dufu's own
 ``--nproc N``), started by tests/launch.py, because what is tested is what a user sees: exit codes, messages,
 files on disk. The
 runs are expensive on a small CPU machine, so a :class:`JobPool` starts them in the background as soon
-as the session knows it needs them (at most ``DUFU_TEST_JOBS``, default 2, at a time), respecting
-dependencies (a resume needs the run it resumes); a test then waits for the result it needs.
+as the session knows it needs them (at most ``DUFU_TEST_JOBS``, default 2, at a time, on a thread pool),
+respecting dependencies (a resume needs the run it resumes); a test then waits for the result it needs.
 """
 
 from __future__ import annotations
 
 import re
 import threading
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable
 
-from launch import REPO, Proc, assert_ok, run, stop_all, train_command  # noqa: F401  (the tests import them here)
-from parity import assert_losses_match, consolidated_state, records, train_records  # noqa: F401
+from launch import Proc, stop_all
 
 # Every run: gpt_debug (fp32, no dropout), 10 steps, checkpoints at 5 and 10, and the same global batch,
 # so every layout sees the same samples in the same order and reaches the same weights.
@@ -121,105 +120,69 @@ class JobFailed(Exception):
     pass
 
 
-@dataclass
-class _Job:
-    name: str
-    fn: Callable
-    deps: tuple[str, ...]
-    state: str = "defined"  # defined -> queued -> running -> done | failed
-    result: object = None
-    error: Optional[BaseException] = None
-    done: threading.Event = field(default_factory=threading.Event)
-
-
 class JobPool:
-    """Background jobs with dependencies; at most ``max_running`` at a time, in queue order.
-
-    ``define(name, fn, deps)``: ``fn(pool)`` runs in a thread once every dependency is done (it reads them
-    with ``pool.result(dep)``). ``want(names)`` queues jobs (and their dependencies) in that order;
-    ``result(name)`` moves a job to the front of the queue and waits for it."""
+    """Background jobs with dependencies on the standard library's thread pool (at most ``max_running`` at a
+    time). ``define(name, fn, deps)``: ``fn(pool)`` reads its dependencies with ``pool.result(dep)``;
+    ``want(names)`` starts jobs, a job going to the executor only once its dependencies are done (so no worker
+    sits waiting for one); ``result(name)`` waits for a job and raises :class:`JobFailed` if it failed."""
 
     def __init__(self, max_running: int = 2):
-        self.max_running = max(1, max_running)
-        self.jobs: dict[str, _Job] = {}
-        self.queue: list[str] = []
+        self.executor = ThreadPoolExecutor(max(1, max_running), thread_name_prefix="job")
+        self.jobs: dict[str, tuple[Callable, tuple[str, ...]]] = {}
+        self.futures: dict[str, Future] = {}
         self.lock = threading.Lock()
-        self.running = 0
+        self.closed = False
 
     def define(self, name: str, fn: Callable, deps: tuple[str, ...] = ()) -> None:
-        self.jobs[name] = _Job(name, fn, tuple(deps))
+        self.jobs[name] = (fn, tuple(deps))
 
-    def _closure(self, name: str) -> list[str]:
-        out = []
-        for dep in self.jobs[name].deps:
-            out += self._closure(dep)
-        return out + [name]
+    def want(self, names) -> None:
+        for name in names:
+            self._future(name)
 
-    def want(self, names, front: bool = False) -> None:
+    def _future(self, name: str) -> Future:
         with self.lock:
-            order = []
-            for n in names:
-                for m in self._closure(n):
-                    if m not in order:
-                        order.append(m)
-            for m in order:
-                job = self.jobs[m]
-                if job.state == "defined":
-                    job.state = "queued"
-                    self.queue.append(m)
-                if front and job.state == "queued":
-                    self.queue.remove(m)
-            if front:
-                self.queue[:0] = [m for m in order if self.jobs[m].state == "queued"]
-            self._pump()
+            if name in self.futures:
+                return self.futures[name]
+            outer = self.futures[name] = Future()
+        fn, deps = self.jobs[name]
+        waiting = [self._future(dep) for dep in deps]
+        left = [len(waiting)]
 
-    def _pump(self) -> None:  # with self.lock held
-        changed = True
-        while changed:
-            changed = False
-            for name in list(self.queue):
-                job = self.jobs[name]
-                deps = [self.jobs[d] for d in job.deps]
-                if any(d.state == "failed" for d in deps):
-                    self.queue.remove(name)
-                    job.state, job.error = "failed", JobFailed(f"{name}: a job it needs failed")
-                    job.done.set()
-                    changed = True
-                elif all(d.state == "done" for d in deps) and self.running < self.max_running:
-                    self.queue.remove(name)
-                    job.state = "running"
-                    self.running += 1
-                    threading.Thread(target=self._run, args=(job,), name=f"job-{name}", daemon=True).start()
+        def submit() -> None:
+            failed = [d for d, f in zip(deps, waiting) if f.exception() is not None]
+            if failed or self.closed:
+                why = f"a job it needs failed ({', '.join(failed)})" if failed else "the test session ended"
+                outer.set_exception(JobFailed(f"{name}: {why}"))
+                return
+            inner = self.executor.submit(fn, self)
+            inner.add_done_callback(lambda f: outer.set_exception(f.exception()) if f.exception() is not None
+                                    else outer.set_result(f.result()))
 
-    def _run(self, job: _Job) -> None:
-        try:
-            job.result = job.fn(self)
-            state = "done"
-        except BaseException as e:  # reported to whoever waits for the job
-            job.error = e
-            state = "failed"
-        with self.lock:
-            job.state = state
-            self.running -= 1
-            job.done.set()
-            self._pump()
+        def dependency_done(_) -> None:
+            with self.lock:
+                left[0] -= 1
+                ready = left[0] == 0
+            if ready:
+                submit()
+
+        if not waiting:
+            submit()
+        for f in waiting:
+            f.add_done_callback(dependency_done)
+        return outer
 
     def shutdown(self) -> None:
         """Start nothing more, and end the runs in progress."""
-        with self.lock:
-            for name in self.queue:
-                job = self.jobs[name]
-                job.state, job.error = "failed", JobFailed(f"{name}: the test session ended")
-                job.done.set()
-            self.queue.clear()
+        self.closed = True
+        self.executor.shutdown(wait=False, cancel_futures=True)
         stop_all()
 
     def result(self, name: str):
-        self.want([name], front=True)
-        job = self.jobs[name]
-        job.done.wait()
-        if job.error is not None:
-            if isinstance(job.error, JobFailed):
-                raise job.error
-            raise JobFailed(f"{name} failed: {job.error!r}") from job.error
-        return job.result
+        future = self._future(name)
+        error = future.exception()
+        if error is not None:
+            if isinstance(error, JobFailed):
+                raise error
+            raise JobFailed(f"{name} failed: {error!r}") from error
+        return future.result()

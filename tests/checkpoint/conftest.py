@@ -14,9 +14,10 @@ import shutil
 
 import pytest
 
-from checkpoint_runs import COMMON, RESUME_TARGETS, JobPool, assert_ok, layout, run, train_command
+from checkpoint_runs import COMMON, RESUME_TARGETS, JobPool, layout
+from launch import assert_ok, run, train_command
 
-# Queue order of the background runs (a test that waits for one moves it to the front).
+# Start order of the background runs.
 PRIORITY = (
     "run_b", "hang_fault", *(f"resume_{t}" for t in RESUME_TARGETS), "async_run", "kill_dp2", "kill_1",
     "restart", "exit_fault", "stop_minutes", "corrupt_resume_dp2",

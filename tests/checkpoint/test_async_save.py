@@ -13,10 +13,9 @@ import shutil
 import pytest
 import torch
 
-from checkpoint_runs import (
-    COMMON, assert_losses_match, assert_ok, checkpoint_names, consolidated, layout, train_records,
-)
-from parity import assert_checkpoint_matches
+from checkpoint_runs import COMMON, checkpoint_names, consolidated, layout
+from launch import assert_ok
+from parity import assert_checkpoint_matches, assert_losses_match, train_records
 
 STEP5, STEP10 = "step_0000005", "step_0000010"
 

@@ -12,7 +12,8 @@ import sys
 import pytest
 import torch
 
-from checkpoint_runs import assert_ok, consolidated, run
+from checkpoint_runs import consolidated
+from launch import assert_ok, run
 from parity import assert_checkpoint_matches
 
 pytestmark = pytest.mark.multiprocess

@@ -17,10 +17,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from checkpoint_runs import (
-    assert_losses_match, assert_ok, checkpoint_names, consolidated, layout, run, train_command, train_records,
-)
-from parity import assert_checkpoint_matches
+from checkpoint_runs import checkpoint_names, consolidated, layout
+from launch import assert_ok, run, train_command
+from parity import assert_checkpoint_matches, assert_losses_match, train_records
 from dufu.engine.checkpoint import MANIFEST, Checkpointer
 from dufu.errors import CheckpointError
 from dufu_testing import snapshot

@@ -16,11 +16,9 @@ from collections import defaultdict
 import pytest
 import torch
 
-from checkpoint_runs import (
-    RESUME_TARGETS, assert_losses_match, assert_ok, checkpoint_names, consolidated, layout, records,
-    train_records,
-)
-from parity import assert_checkpoint_matches
+from checkpoint_runs import RESUME_TARGETS, checkpoint_names, consolidated, layout
+from launch import assert_ok
+from parity import assert_checkpoint_matches, assert_losses_match, records, train_records
 from dufu.config import LazyConfig
 from dufu.engine.checkpoint import MANIFEST, Checkpointer, SafeFileSystemReader
 

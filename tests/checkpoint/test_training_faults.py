@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from checkpoint_runs import (
-    COMMON, assert_losses_match, assert_ok, checkpoint_names, error_text, records, train_records,
-)
+from checkpoint_runs import COMMON, checkpoint_names, error_text
+from launch import assert_ok
+from parity import assert_losses_match, records, train_records
 
 pytestmark = pytest.mark.multiprocess
 
