@@ -110,22 +110,59 @@ def measure_matmul_flops(dtype: torch.dtype, device: torch.device, size: int = 2
     return best
 
 
+def _data_sheet(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:
+    """The vendor's dense peak for a known GPU, else None."""
+    if device.type != "cuda":
+        return None
+    low_precision = dtype in (torch.bfloat16, torch.float16)
+    name = torch.cuda.get_device_name(device).upper()
+    for key in sorted(_GPU_PEAK_TFLOPS, key=len, reverse=True):
+        if key in name:
+            tf = _GPU_PEAK_TFLOPS[key][0 if low_precision else 1]
+            return tf * 1e12, f"{tf:g} TFLOP/s, data-sheet peak of {name} ({'bf16' if low_precision else 'fp32'})"
+    return None
+
+
+def matmul_speeds(device: torch.device, dtypes, size: int = 2048, seconds: float = 0.8) -> dict:
+    """FLOP/s of a (size x size) matmul in each of ``dtypes``, measured now and in alternation (one matmul of
+    each dtype in turn, best of each), so a load that shares the cores slows them alike and their ratio holds.
+    Known GPUs answer from the data sheet. What is measured also updates the cache of best values."""
+    sheet = {dtype: _data_sheet(device, dtype) for dtype in dtypes}
+    if all(sheet.values()):
+        return {dtype: sheet[dtype][0] for dtype in dtypes}
+    pairs = {dtype: (torch.randn(size, size, device=device).to(dtype), torch.randn(size, size, device=device).to(dtype))
+             for dtype in dtypes}
+    for a, b in pairs.values():
+        torch.matmul(a, b)  # warm-up (kernel selection, oneDNN/AMX init)
+    best = dict.fromkeys(dtypes, 0.0)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or min(best.values()) == 0.0:
+        for dtype, (a, b) in pairs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[dtype] = max(best[dtype], 2.0 * size**3 / (time.perf_counter() - t0))
+    for dtype, flops in best.items():
+        device_peak_flops(device, dtype, measured=flops)
+    return best
+
+
 def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None,
-                      remeasure: bool = True) -> tuple[float, str]:
+                      remeasure: bool = True, measured: float | None = None) -> tuple[float, str]:
     """(peak FLOP/s of one device in ``dtype``, a sentence saying where the number comes from).
 
+    ``measured``: a reading the caller just took (it is recorded; nothing more is measured).
     ``remeasure=False`` takes the cached best value where there is one (no 0.6 s measurement)."""
     if override_tflops is None and os.environ.get("DUFU_PEAK_TFLOPS"):
         override_tflops = float(os.environ["DUFU_PEAK_TFLOPS"])
     if override_tflops is not None:
         return override_tflops * 1e12, f"{override_tflops:g} TFLOP/s given in the config"
-    low_precision = dtype in (torch.bfloat16, torch.float16)
-    if device.type == "cuda":
-        name = torch.cuda.get_device_name(device).upper()
-        for key in sorted(_GPU_PEAK_TFLOPS, key=len, reverse=True):
-            if key in name:
-                tf = _GPU_PEAK_TFLOPS[key][0 if low_precision else 1]
-                return tf * 1e12, f"{tf:g} TFLOP/s, data-sheet peak of {name} ({'bf16' if low_precision else 'fp32'})"
+    sheet = _data_sheet(device, dtype)
+    if sheet is not None:
+        return sheet
     cpu = _cpu_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
     key = f"{device.type}|{cpu}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
     cache = _cache_dir() / "peak_flops.json"
@@ -136,7 +173,8 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops:
         table = {}
     # Measure at every start (0.6 s) and keep the best value ever seen: a measurement taken while other
     # processes share the cores reads low, and must not stick.
-    measured = measure_matmul_flops(dtype, device) if remeasure or key not in table else 0.0
+    if measured is None:
+        measured = measure_matmul_flops(dtype, device) if remeasure or key not in table else 0.0
     if measured > table.get(key, 0.0):
         table[key] = measured
         try:

@@ -1,8 +1,8 @@
 """Which dtype a run computes in: ``train.amp.enabled`` = "auto" (the default), True, False, "bf16" or "fp16".
 
-"auto" measures the device, it does not guess from its name: the best throughput of a large matmul in fp32 and in
-the low-precision dtype (dufu.engine.flops, cached per device, thread count and torch version). A CPU without a
-bf16 matrix unit (no AMX, no AVX512-BF16: Intel Ice Lake and older) runs bf16 matmuls at a quarter of fp32's speed,
+"auto" measures the device, it does not guess from its name: the throughput of a large matmul in fp32 and in the
+low-precision dtype, timed in alternation at start-up (dufu.engine.flops; known GPUs answer from the data
+sheet). A CPU without a bf16 matrix unit (no AMX, no AVX512-BF16: Intel Ice Lake and older) runs bf16 matmuls at a quarter of fp32's speed,
 so bf16 autocast there makes a run several times slower; on AMX (Sapphire Rapids) bf16 is ~6x fp32, on Zen 4's
 AVX512-BF16 ~2x, on Ampere and newer GPUs ~16x.
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dufu.engine.flops import device_peak_flops
+from dufu.engine.flops import device_peak_flops, matmul_speeds
 
 MIN_SPEEDUP = 1.25
 SETTINGS = ("auto", True, False, "bf16", "fp16")
@@ -75,25 +75,27 @@ def _gflops(flops: float) -> str:
 
 
 def choose_precision(enabled, dtype_name: str, device: torch.device, override_tflops: float | None = None,
-                     peak_fn=device_peak_flops) -> Precision:
+                     speeds_fn=matmul_speeds, peak_fn=device_peak_flops) -> Precision:
     """The precision of a run on ``device`` for the setting ``enabled`` (see the module docstring).
 
-    The decision reads the cached best peaks (measuring only what is not cached yet), then the dtype in use is
-    measured again so its MFU basis keeps the best value seen. ``train.peak_tflops`` (``override_tflops``) sets
-    the MFU basis; with an explicit setting nothing is measured then (and there is no slow-choice notice).
-    ``peak_fn(device, dtype, override_tflops, remeasure) -> (FLOP/s, source)``; tests pass their own."""
+    The decision reads matmul speeds measured now, fp32 and the low-precision dtype in alternation (0.8 s; a
+    busy machine slows both alike, so their ratio holds where each alone would read low); the MFU basis is the
+    best value ever measured for the dtype in use (these readings included). ``train.peak_tflops``
+    (``override_tflops``) sets the MFU basis; with an explicit setting nothing is measured then (and there is no
+    slow-choice notice). ``speeds_fn(device, dtypes) -> {dtype: FLOP/s}`` and ``peak_fn(device, dtype,
+    override_tflops, remeasure) -> (FLOP/s, source)``: tests pass their own."""
     check_setting(enabled, dtype_name)
     low = DTYPES[dtype_name] if enabled is True else DTYPES.get(enabled) or low_precision_dtype(device)
     if enabled != "auto" and override_tflops is not None:
         dtype = low if enabled is not False else None
         peak, source = peak_fn(device, dtype or torch.float32, override_tflops, False)
         return Precision(dtype, f"train.amp.enabled={enabled!r}", peak, source)
-    fp32_peak = peak_fn(device, torch.float32, None, False)[0]
-    low_peak = peak_fn(device, low, None, False)[0]
-    peaks = {"fp32": fp32_peak, NAMES[low]: low_peak}
-    measured = (f"{NAMES[low]} matmul {_gflops(low_peak)} vs fp32 {_gflops(fp32_peak)}, "
-                f"{low_peak / fp32_peak:.2f}x")
-    fast = low_peak >= MIN_SPEEDUP * fp32_peak
+    speeds = speeds_fn(device, (torch.float32, low))
+    fp32_speed, low_speed = speeds[torch.float32], speeds[low]
+    peaks = {"fp32": fp32_speed, NAMES[low]: low_speed}
+    measured = (f"{NAMES[low]} matmul {_gflops(low_speed)} vs fp32 {_gflops(fp32_speed)}, "
+                f"{low_speed / fp32_speed:.2f}x")
+    fast = low_speed >= MIN_SPEEDUP * fp32_speed
     notice = None
     if enabled == "auto":
         dtype = low if fast else None
@@ -107,7 +109,7 @@ def choose_precision(enabled, dtype_name: str, device: torch.device, override_tf
         elif dtype is None and fast:
             notice = (f"fp32 is the slow choice on this device ({measured}); "
                       f"train.amp.enabled=auto would use {NAMES[low]} autocast.")
-    peak, source = peak_fn(device, dtype or torch.float32, override_tflops, True)
+    peak, source = peak_fn(device, dtype or torch.float32, override_tflops, False)
     return Precision(dtype, reason, peak, source, notice, peaks)
 
 

@@ -20,71 +20,91 @@ CPU = torch.device("cpu")
 
 
 class FakePeaks:
-    """A device whose matmul peaks are ``table``; records which dtypes were asked and whether re-measured."""
+    """A device whose matmul speeds are ``table`` (GFLOP/s): ``speeds`` answers the start-up measurement,
+    ``peak`` the MFU basis (the cached best); records what was asked."""
 
     def __init__(self, table):
-        self.table, self.calls = table, []
+        self.table, self.measured, self.peaks = table, [], []
 
-    def __call__(self, device, dtype, override_tflops=None, remeasure=True):
-        self.calls.append((dtype, remeasure))
+    def speeds(self, device, dtypes):
+        self.measured.append(tuple(dtypes))
+        return {dtype: self.table[dtype] * 1e9 for dtype in dtypes}
+
+    def peak(self, device, dtype, override_tflops=None, remeasure=True):
+        self.peaks.append(dtype)
         if override_tflops is not None:
             return override_tflops * 1e12, "given"
         return self.table[dtype] * 1e9, f"measured {dtype}"
 
 
+def choose(enabled, dtype_name, device, fake, override_tflops=None):
+    return choose_precision(enabled, dtype_name, device, override_tflops, speeds_fn=fake.speeds, peak_fn=fake.peak)
+
+
 @pytest.mark.parametrize("cpu, expected", [(ICE_LAKE, None), (ZEN_4, torch.bfloat16),
                                            (SAPPHIRE_RAPIDS, torch.bfloat16)])
 def test_auto_picks_the_dtype_whose_matmul_is_faster(cpu, expected):
-    peaks = FakePeaks(cpu)
-    p = choose_precision("auto", "bf16", CPU, peak_fn=peaks)
+    fake = FakePeaks(cpu)
+    p = choose("auto", "bf16", CPU, fake)
     assert p.dtype == expected and p.notice is None
     assert p.reason.startswith("auto: bf16 matmul") and f"{cpu[torch.bfloat16]:,.0f} GFLOP/s" in p.reason
-    # MFU against the peak of the dtype in use, measured again (only that one) so the cached best stays fresh
+    assert fake.measured == [(torch.float32, torch.bfloat16)]  # both measured together (in alternation)
+    # MFU against the peak of the dtype in use
     used = expected or torch.float32
-    assert p.peak_flops == cpu[used] * 1e9 and peaks.calls[-1] == (used, True)
-    assert [remeasure for _, remeasure in peaks.calls[:-1]] == [False, False]
+    assert p.peak_flops == cpu[used] * 1e9 and fake.peaks == [used]
     assert p.peaks == {"fp32": cpu[torch.float32] * 1e9, "bf16": cpu[torch.bfloat16] * 1e9}
     assert p.name == ("bf16 autocast" if expected else "fp32")
 
 
 def test_auto_needs_a_real_speedup_not_a_tie():
     just_below = {torch.float32: 100.0, torch.bfloat16: 100.0 * MIN_SPEEDUP - 1}
-    assert choose_precision("auto", "bf16", CPU, peak_fn=FakePeaks(just_below)).dtype is None
+    assert choose("auto", "bf16", CPU, FakePeaks(just_below)).dtype is None
     at = {torch.float32: 100.0, torch.bfloat16: 100.0 * MIN_SPEEDUP}
-    assert choose_precision("auto", "bf16", CPU, peak_fn=FakePeaks(at)).dtype == torch.bfloat16
+    assert choose("auto", "bf16", CPU, FakePeaks(at)).dtype == torch.bfloat16
 
 
 def test_explicit_choices_are_obeyed_with_a_notice_when_slow():
-    slow = choose_precision(True, "bf16", CPU, peak_fn=FakePeaks(ICE_LAKE))
+    slow = choose(True, "bf16", CPU, FakePeaks(ICE_LAKE))
     assert slow.dtype == torch.bfloat16 and slow.peak_flops == 61e9
     assert "bf16 autocast is the slow choice" in slow.notice and "auto would train in fp32" in slow.notice
-    assert choose_precision("bf16", "fp16", CPU, peak_fn=FakePeaks(ICE_LAKE)).dtype == torch.bfloat16
+    assert choose("bf16", "fp16", CPU, FakePeaks(ICE_LAKE)).dtype == torch.bfloat16
 
-    fp32 = choose_precision(False, "bf16", CPU, peak_fn=FakePeaks(ZEN_4))
+    fp32 = choose(False, "bf16", CPU, FakePeaks(ZEN_4))
     assert fp32.dtype is None and fp32.peak_flops == 200e9
     assert "fp32 is the slow choice" in fp32.notice and "auto would use bf16" in fp32.notice
 
-    fast = choose_precision(True, "bf16", CPU, peak_fn=FakePeaks(SAPPHIRE_RAPIDS))
+    fast = choose(True, "bf16", CPU, FakePeaks(SAPPHIRE_RAPIDS))
     assert fast.dtype == torch.bfloat16 and fast.notice is None
-    assert choose_precision(False, "bf16", CPU, peak_fn=FakePeaks(ICE_LAKE)).notice is None
+    assert choose(False, "bf16", CPU, FakePeaks(ICE_LAKE)).notice is None
 
 
 def test_fp16_with_loss_scaling_on_a_gpu_without_bf16(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: False)
     volta = FakePeaks({torch.float32: 15_700.0, torch.float16: 125_000.0})
-    p = choose_precision("auto", "bf16", torch.device("cuda"), peak_fn=volta)
+    p = choose("auto", "bf16", torch.device("cuda"), volta)
     assert p.dtype == torch.float16 and p.name == "fp16 autocast with loss scaling"
     assert p.reason.startswith("auto: fp16 matmul")
 
 
 def test_a_given_peak_skips_measuring_for_explicit_settings_only():
-    peaks = FakePeaks(ZEN_4)
-    p = choose_precision(False, "bf16", CPU, override_tflops=1.0, peak_fn=peaks)
+    fake = FakePeaks(ZEN_4)
+    p = choose(False, "bf16", CPU, fake, override_tflops=1.0)
     assert p.dtype is None and p.peak_flops == 1e12 and p.notice is None
-    assert peaks.calls == [(torch.float32, False)]  # the override answers; nothing is measured
-    peaks = FakePeaks(ZEN_4)
-    p = choose_precision("auto", "bf16", CPU, override_tflops=1.0, peak_fn=peaks)
+    assert fake.measured == []  # the override answers; nothing is measured
+    fake = FakePeaks(ZEN_4)
+    p = choose("auto", "bf16", CPU, fake, override_tflops=1.0)
     assert p.dtype == torch.bfloat16 and p.peak_flops == 1e12  # decided by measurement, MFU basis as given
+
+
+def test_the_start_up_measurement_alternates_the_dtypes_and_records_the_best(monkeypatch, tmp_path):
+    from dufu.engine import flops
+
+    monkeypatch.setenv("DUFU_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("DUFU_PEAK_TFLOPS", raising=False)
+    speeds = flops.matmul_speeds(CPU, (torch.float32, torch.bfloat16), size=256, seconds=0.05)
+    assert set(speeds) == {torch.float32, torch.bfloat16} and all(v > 0 for v in speeds.values())
+    for dtype, flop_s in speeds.items():  # recorded: the cached best is at least this reading
+        assert flops.device_peak_flops(CPU, dtype, remeasure=False)[0] >= flop_s
 
 
 @pytest.mark.parametrize("override, value", [("train.amp.enabled=auto", "auto"), ("train.amp.enabled=bf16", "bf16"),
