@@ -21,8 +21,7 @@ from dufu.engine.checkpoint import Checkpointer
 from dufu.engine.lr_scheduler import fit_warmup_to_run
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DufuError, LayoutError
-# The one import of pretrained-loading helpers in the engine's run path (load_pretrained: for the trainer).
-from dufu.engine.pretrained import check_pretrained, load_pretrained, pretrained_source  # noqa: F401 (load_pretrained: the trainer)
+from dufu.engine.pretrained import check_pretrained, pretrained_source
 from dufu.parallel.checks import validate_layout
 from dufu.parallel.parallel_dims import ParallelDims
 
