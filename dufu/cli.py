@@ -88,8 +88,6 @@ def cmd_train(argv: list[str]) -> int:
 
 def launch(args, config, overrides, cfg) -> int:
     """Check the config for the requested world size here, once, then start the workers through torchrun."""
-    import subprocess
-
     from dufu.parallel.launch import torchrun_command
     from dufu.engine.preflight import preflight
 
@@ -103,7 +101,35 @@ def launch(args, config, overrides, cfg) -> int:
     cmd = torchrun_command(args.nproc, argv, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, master_port=args.master_port,
                            max_restarts=args.max_restarts)
-    return subprocess.call(cmd)
+    return run_torchrun(cmd)
+
+
+def run_torchrun(cmd: list[str]) -> int:
+    """Run the ``python -m torch.distributed.run ARGS`` command line ``cmd`` and return its exit code.
+
+    The launcher has imported torch for its checks already, so torchrun's agent runs in this process
+    (``torch.distributed.run.main(ARGS)``, the function behind the ``torchrun`` command) instead of a new
+    interpreter that imports torch again before it starts any worker. Failures end as the command's do: the
+    error and the failed ranks' summary on stderr, exit code 1."""
+    import signal
+    import traceback
+
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.run import main as torchrun_main
+
+    if cmd[:3] != [sys.executable, "-m", "torch.distributed.run"]:
+        raise DufuError(f"not a torchrun command line: {' '.join(cmd[:3])} ...")
+    try:
+        torchrun_main(cmd[3:])
+    except SignalException as e:  # Ctrl-C or a termination signal: the agent has stopped the workers
+        print("interrupted" if e.sigval == signal.SIGINT else f"stopped by {e.sigval.name}", file=sys.stderr)
+        return 128 + int(e.sigval)
+    except SystemExit as e:  # argument errors
+        return e.code if isinstance(e.code, int) else 1
+    except Exception:  # a failed worker group (ChildFailedError) or agent error, reported as torchrun reports it
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 def cmd_configs(argv: list[str]) -> int:

@@ -6,10 +6,13 @@ from __future__ import annotations
 import time
 from typing import Callable
 
+import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dufu.engine.flops import count_matmul_params, flops_per_token
 from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
+from dufu.parallel.env import collective_device
 
 
 def model_flops_per_token(model, seq_length: int) -> float:
@@ -67,35 +70,99 @@ def evaluation_line(step: int, ev: dict) -> str:
     return f"step {step}: validation loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.1f}{acc}"
 
 
+def window_rates(tokens_per_step: int, steps: int, seconds: float, flops_per_token: float, peak_flops: float,
+                 world_size: int) -> dict:
+    """Throughput of a log window of ``steps`` steps that took ``seconds`` of wall time (every rank's steps
+    included, see :class:`StepClock`): global tokens per second, seconds per step, and MFU, the model FLOPs per
+    second over the peak of all ``world_size`` devices of the job."""
+    tokens_per_s = tokens_per_step * steps / seconds
+    return {"tokens_per_s": tokens_per_s, "step_time_s": seconds / steps,
+            "mfu": flops_per_token * tokens_per_s / (peak_flops * world_size)}
+
+
+def max_over_ranks(value: float) -> float:
+    """The largest ``value`` of all ranks (one all-reduce of one number on the default group's device)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.float64, device=collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+class StepClock:
+    """The wall time of the training steps of a log window, with every rank's steps in it.
+
+    Rank 0's clock alone is not that time: a rank's steps can end after rank 0's (under pipeline parallelism
+    rank 0 is the first stage, the last stage finishes a step's work later), and ranks reach the first step at
+    different moments. So each rank times its own window, from the moment it left the previous synchronisation
+    (a point every rank has passed) to the end of its last step, without the evaluations and checkpoint saves
+    in between (:meth:`pause`), and the window is the longest of them: one all-reduce of one number per log
+    period (``reduce_max``). It is at least the time any rank spent in the window's steps."""
+
+    def __init__(self, reduce_max: Callable[[float], float] = max_over_ranks,
+                 clock: Callable[[], float] = time.perf_counter):
+        self.reduce_max, self.clock = reduce_max, clock
+        self.mark = self.paused_from = self.paused = 0.0
+
+    def start(self) -> float:
+        """Every rank starts timing once all have arrived; returns this rank's start time."""
+        self.reduce_max(0.0)
+        self.mark = self.paused_from = self.clock()
+        self.paused = 0.0
+        return self.mark
+
+    def step_done(self) -> None:
+        """A step ended; whatever this rank does until :meth:`pause` is not training."""
+        self.paused_from = self.clock()
+
+    def pause(self) -> None:
+        """An evaluation or checkpoint save since the last step ended: leave its time out of the window."""
+        now = self.clock()
+        self.paused += now - self.paused_from
+        self.paused_from = now
+
+    def window(self) -> float:
+        """Seconds of training since the previous window, the longest over ranks (every rank calls this)."""
+        own = self.clock() - self.mark - self.paused
+        seconds = self.reduce_max(own)
+        self.mark = self.paused_from = self.clock()
+        self.paused = 0.0
+        return seconds
+
+
 class RunLog:
     """The records (metrics.jsonl, TensorBoard) and lines of a run in progress, and its end summary."""
 
-    def __init__(self, trainer):
+    def __init__(self, trainer, clock: StepClock | None = None):
         t = trainer.cfg.train
         self.trainer, self.train_iter, self.log_period = trainer, t.train_iter, t.log_period
         self.writer = MetricsWriter(trainer.output_dir, tensorboard=t.get("tensorboard", True),
                                     resume_step=trainer.step if trainer.resume_from else None) \
             if trainer.is_main else None
         self.bar = None
+        self.clock = clock or StepClock()
 
     def start(self) -> None:
-        """The progress bar and the clocks of throughput and train.stop_after_minutes start here."""
+        """The progress bar and the clocks of throughput and train.stop_after_minutes start here (on every rank
+        at once: one synchronisation)."""
         self.bar = ProgressBar(self.train_iter, initial=self.trainer.step, enabled=self.trainer.is_main)
-        self.start_step, self.window_steps, self.mfus = self.trainer.step, 0, []
-        self.t_start = self.t_last = time.perf_counter()
+        self.start_step, self.window_steps = self.trainer.step, 0
+        self.timed_steps, self.timed_seconds = 0, 0.0  # the logged windows, for the end summary
+        self.t_start = self.clock.start()
 
     def step(self, loss: float, grad_norm: float) -> None:
-        """Count a finished step; every train.log_period steps (and at the last) write a record."""
+        """Count a finished step; every train.log_period steps (and at the last) write a record. Every rank
+        calls this after every step (the record's time is reduced over ranks)."""
         tr, step = self.trainer, self.trainer.step
         self.window_steps += 1
         if step % self.log_period == 0 or step == self.train_iter:
-            now = time.perf_counter()
-            tokens_per_s = tr.tokens_per_step * self.window_steps / (now - self.t_last)
-            mfu = tr.flops_per_token * tokens_per_s / (tr.peak_flops * tr.world_size)
-            self.mfus.append(mfu)
+            seconds = self.clock.window()
+            rates = window_rates(tr.tokens_per_step, self.window_steps, seconds, tr.flops_per_token, tr.peak_flops,
+                                 tr.world_size)
+            self.timed_steps, self.timed_seconds = self.timed_steps + self.window_steps, self.timed_seconds + seconds
             record = {
-                "step": step, "loss": loss, "lr": tr.last_lr, "grad_norm": grad_norm, "tokens_per_s": tokens_per_s,
-                "mfu": mfu, "step_time_s": (now - self.t_last) / self.window_steps,
+                "step": step, "loss": loss, "lr": tr.last_lr, "grad_norm": grad_norm,
+                "tokens_per_s": rates["tokens_per_s"], "mfu": rates["mfu"], "step_time_s": rates["step_time_s"],
                 "consumed_samples": tr.sampler.state_dict()["consumed_samples"],
             }
             if tr.skipped_steps:
@@ -104,23 +171,36 @@ class RunLog:
                 record["loss_scale"] = tr.scaler.scale
                 record["skipped_steps"] = tr.scaler.skipped_steps
             self.writer and self.writer.write(record)
-            self.t_last, self.window_steps = now, 0
-            self.bar.update(0, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}", **{"tok/s": f"{tokens_per_s:,.0f}"},
-                            mfu=f"{100 * mfu:.1f}%")
+            self.window_steps = 0
+            self.bar.update(0, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}",
+                            **{"tok/s": f"{rates['tokens_per_s']:,.0f}"}, mfu=f"{100 * rates['mfu']:.1f}%")
         self.bar.update(1)
+        self.clock.step_done()
 
     def evaluation(self, ev: dict) -> None:
+        """After an evaluation (every rank calls this): write it, and keep its time out of the throughput."""
+        self.clock.pause()
         step = self.trainer.step
         self.writer and self.writer.write({"step": step, **ev})
         (self.bar.write if self.bar is not None else self.trainer.log)(evaluation_line(step, ev))
 
     def checkpoint(self, path) -> None:
+        self.clock.pause()  # a save is not training time either
         saving = "saving" if self.trainer.checkpointer.async_save else "saved"
         self.bar.write(f"step {self.trainer.step}: {saving} checkpoint {path}")
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
+
+    def mean_rates(self) -> dict:
+        """Throughput and MFU over all logged windows: their tokens over their summed (training) time."""
+        if not self.timed_steps or self.timed_seconds <= 0:
+            return {"mean_tokens_per_s": None, "mean_mfu": None}
+        tr = self.trainer
+        rates = window_rates(tr.tokens_per_step, self.timed_steps, self.timed_seconds, tr.flops_per_token,
+                             tr.peak_flops, tr.world_size)
+        return {"mean_tokens_per_s": rates["tokens_per_s"], "mean_mfu": rates["mfu"]}
 
     def finish(self, stop_reason, samples: Callable[[], list]) -> dict:
         """Close the bar, say why the run stopped early (if it did), and return the end summary; rank 0 also
@@ -141,8 +221,7 @@ class RunLog:
         evals = [r for r in records if "eval_loss" in r]
         summary.update(
             final_loss=train_recs[-1]["loss"] if train_recs else None,
-            mean_tokens_per_s=(tr.tokens_per_step * summary["steps"] / elapsed) if elapsed > 0 else None,
-            mean_mfu=(sum(self.mfus) / len(self.mfus)) if self.mfus else None,
+            **self.mean_rates(),
             samples=texts,
         )
         for key in ("eval_loss", "eval_ppl", "eval_accuracy"):

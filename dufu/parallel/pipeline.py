@@ -36,21 +36,16 @@ import copy
 
 import torch
 from torch import nn
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-)
 
 from dufu.errors import LayoutError
 
+# name -> (torch.distributed.pipelining class, several stages per rank). Names, not classes: importing
+# torch.distributed.pipelining pulls in torch._dynamo (~1.5 s), which the launcher's checks do not need.
 SCHEDULES = {
-    "gpipe": (ScheduleGPipe, False),
-    "1f1b": (Schedule1F1B, False),
-    "interleaved_1f1b": (ScheduleInterleaved1F1B, True),
-    "interleaved_zero_bubble": (ScheduleInterleavedZeroBubble, True),
+    "gpipe": ("ScheduleGPipe", False),
+    "1f1b": ("Schedule1F1B", False),
+    "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
+    "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", True),
 }
 
 
@@ -202,14 +197,19 @@ def split_pipeline_batch(model: nn.Module, inputs: dict, main_input_name: str) -
     return first, inputs, target
 
 
-def build_schedule(name: str, stages: list[PipelineStage], n_microbatches: int, loss_fn):
-    cls, multi = SCHEDULES[name]
+def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn):
+    import torch.distributed.pipelining as pipelining
+
+    class_name, multi = SCHEDULES[name]
+    cls = getattr(pipelining, class_name)
     if multi:
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
 
 
-def make_stages(stage_modules: dict[int, nn.Module], num_stages: int, device: torch.device, group) -> list[PipelineStage]:
+def make_stages(stage_modules: dict[int, nn.Module], num_stages: int, device: torch.device, group) -> list:
+    from torch.distributed.pipelining import PipelineStage
+
     return [
         PipelineStage(module, stage_index=idx, num_stages=num_stages, device=device, group=group)
         for idx, module in sorted(stage_modules.items())

@@ -299,7 +299,7 @@ def test_collectives_run_on_the_picked_device(tmp_path):
 # tensor it comes from dufu.parallel.env.
 _COLLECTIVE_MODULES = ["dufu/parallel/grads.py", "dufu/parallel/pipeline.py", "dufu/engine/checkpoint.py",
                        "dufu/compat/libai.py", "dufu/compat/sbp.py", "dufu/parallel/launch.py",
-                       "dufu/data/sampler.py"]
+                       "dufu/data/sampler.py", "dufu/engine/report.py"]
 
 
 def _cpu_literals(source: str) -> list[int]:
