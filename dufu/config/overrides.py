@@ -23,7 +23,7 @@ __all__ = ["apply_overrides", "parse_value"]
 
 # Settings that are a switch or a named choice: a bool, or a word such as "auto" (the setting's own checks say
 # which words it takes). Any other bool or str key keeps its type.
-SWITCH_OR_CHOICE = frozenset({"train.amp.enabled"})
+SWITCH_OR_CHOICE = frozenset({"train.amp.enabled", "train.compile.enabled"})
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _WORDS = {"true": True, "false": False, "null": None, "none": None, "~": None}
 

@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dufu.data._cache import resolve_cache_dir
+
 # Dense (no sparsity) peak TFLOP/s from vendor data sheets: (bf16/fp16, fp32 non-tensor-core).
 _GPU_PEAK_TFLOPS = {
     "H200": (989.0, 67.0),
@@ -75,10 +77,6 @@ def count_matmul_params(model: nn.Module) -> int:
 
 def flops_per_token(num_matmul_params: int, num_layers: int, hidden_size: int, seq_length: int) -> float:
     return 6.0 * num_matmul_params + 12.0 * num_layers * hidden_size * seq_length
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("DUFU_CACHE_DIR", Path.home() / ".cache" / "dufu"))
 
 
 def _cpu_name() -> str:
@@ -165,7 +163,7 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops:
         return sheet
     cpu = _cpu_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
     key = f"{device.type}|{cpu}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
-    cache = _cache_dir() / "peak_flops.json"
+    cache = resolve_cache_dir() / "peak_flops.json"
     table = {}
     try:
         table = json.loads(cache.read_text())

@@ -2,8 +2,8 @@
 
 "auto" measures the device, it does not guess from its name: the throughput of a large matmul in fp32 and in the
 low-precision dtype, timed in alternation at start-up (dufu.engine.flops; known GPUs answer from the data
-sheet). A CPU without a bf16 matrix unit (no AMX, no AVX512-BF16: Intel Ice Lake and older) runs bf16 matmuls at a quarter of fp32's speed,
-so bf16 autocast there makes a run several times slower; on AMX (Sapphire Rapids) bf16 is ~6x fp32, on Zen 4's
+sheet). A CPU without a bf16 matrix unit (no AMX, no AVX512-BF16: Intel Ice Lake and older) runs bf16 matmuls
+at a quarter of fp32's speed, so bf16 autocast there makes a run several times slower; on AMX (Sapphire Rapids) bf16 is ~6x fp32, on Zen 4's
 AVX512-BF16 ~2x, on Ampere and newer GPUs ~16x.
 
 The rule: autocast to the low-precision dtype when its measured matmul throughput is at least ``MIN_SPEEDUP`` times

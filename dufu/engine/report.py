@@ -32,7 +32,7 @@ def describe(trainer) -> str:
     if trainer.schedule is not None:
         extras.append(f"{t.dist.get('pipeline_schedule')} schedule")
     if t.activation_checkpoint.enabled:
-        extras.append("activation checkpointing")
+        extras.append(f"{t.activation_checkpoint.get('mode', 'full')} activation checkpointing")
     valid = len(trainer.valid_ds) if trainer.valid_ds is not None else 0
     return "\n".join([
         f"dufu: {trainer.model_name} with {trainer.num_parameters / 1e6:.2f}M parameters on "
@@ -44,6 +44,7 @@ def describe(trainer) -> str:
         f"  data         {len(trainer.train_ds):,} training samples, {valid:,} validation samples; tokenizer vocab "
         f"{trainer.tokenizer.vocab_size:,}",
         f"  precision    {amp}: {trainer.precision.reason}",
+        f"  compile      {trainer.compile.reason}",
         f"  MFU          {trainer.flops_per_token / 1e6:,.1f} MFLOP/token (6N + 12*L*H*T); peak {trainer.peak_source}",
         weights_line(trainer),
         f"  output       {trainer.output_dir}",

@@ -38,6 +38,7 @@ from dufu.engine.preflight import build_model, plan_run, with_kwargs
 from dufu.engine.pretrained import load_pretrained
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
+from dufu.parallel.compile import decide_compile
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
 from dufu.parallel.launch import init_distributed
 from dufu.parallel.materialize import materialize_, supports_meta_init
@@ -82,6 +83,11 @@ class Trainer:
         self.amp_dtype, self.peak_flops, self.peak_source = (self.precision.dtype, self.precision.peak_flops,
                                                              self.precision.peak_source)
         self.notices += [self.precision.notice] if self.precision.notice else []
+        # train.compile.enabled: True, False or "auto" (dufu.parallel.compile.decide_compile); every rank decides
+        # alike from the same inputs
+        self.compile = decide_compile(t.compile.enabled, self.device, train_iter=t.train_iter,
+                                      amp_dtype=self.amp_dtype)
+        self.notices += [self.compile.notice] if self.compile.notice else []
         self.parts = self._build_parts(model, plan.stage_ids)
         self.model_parts, self.schedule, self.model = self.parts.modules, self.parts.schedule, self.parts.modules[0]
         del model, plan
@@ -129,7 +135,9 @@ class Trainer:
             num_microbatches=self.num_accumulation_steps, loss_fn=self._pipeline_loss,
             tensor_parallel=self.dims.tp_enabled, sequence_parallel=bool(t.dist.get("sequence_parallel")),
             data_parallel=self.dims.dp_enabled, zero_stage=zero.stage if zero.enabled else None,
-            activation_checkpoint=t.activation_checkpoint.enabled, compile=t.get("compile", {}).get("enabled", False),
+            activation_checkpoint=(t.activation_checkpoint.get("mode", "full")
+                                   if t.activation_checkpoint.enabled else None),
+            compile=self.compile.enabled,
         )
         if self.pretrained.checkpoint is not None:  # each rank reads the chunks of its own shards (DCP)
             ckpt = self.pretrained.checkpoint

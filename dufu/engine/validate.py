@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from dufu.engine.precision import check_setting
+from dufu.parallel.activation_checkpoint import check_mode
+from dufu.parallel.compile import check_compile_setting
 from dufu.errors import ConfigError
 
 NAMESPACES = ("model", "train", "optim", "dataloader", "tokenization")
@@ -66,6 +68,8 @@ def validate_config(cfg) -> None:
         )
     try:
         check_setting(t.amp.enabled, t.amp.dtype)
+        check_mode(t.activation_checkpoint.get("mode", "full"))
+        check_compile_setting(t.get("compile", {}).get("enabled", False))
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if t.zero_optimization.stage not in (1, 2, 3):

@@ -1,8 +1,8 @@
 """Apply parallelism and memory/speed transforms to a single-device model, in one fixed order.
 
     1. tensor (+ sequence) parallelism   - from the style each dufu layer declares
-    2. activation checkpointing          - per transformer block
-    3. torch.compile                     - per transformer block
+    2. activation checkpointing          - per transformer block (dufu.parallel.activation_checkpoint)
+    3. torch.compile                     - per transformer block (dufu.parallel.compile)
     4. FSDP2 / ZeRO                      - per block, then the root
 
 (The order follows torchtitan: checkpointing and compile wrap the already
@@ -13,27 +13,8 @@ from __future__ import annotations
 
 from torch import nn
 
-from dufu.parallel.parallelize_utils import transformer_blocks
-
-
-def apply_activation_checkpointing(model: nn.Module) -> nn.Module:
-    """Recompute each transformer block's activations in the backward pass (Chen et al. 2016).
-
-    Uses torch's composable ``checkpoint`` (non-reentrant), which keeps parameter
-    names unchanged, so checkpoints are interchangeable with and without it.
-    """
-    from torch.distributed._composable import checkpoint
-
-    for _, block in transformer_blocks(model):
-        checkpoint(block)
-    return model
-
-
-def apply_compile(model: nn.Module) -> nn.Module:
-    """Compile each transformer block in place (repeated blocks share one compiled graph)."""
-    for _, block in transformer_blocks(model):
-        block.compile()
-    return model
+from dufu.parallel.activation_checkpoint import apply_activation_checkpointing
+from dufu.parallel.compile import apply_compile
 
 
 def parallelize(
@@ -44,12 +25,14 @@ def parallelize(
     sequence_parallel: bool = False,
     data_parallel: bool = False,
     zero_stage: int | None = None,
-    activation_checkpoint: bool = False,
+    activation_checkpoint: str | bool | None = None,
     compile: bool = False,
 ) -> nn.Module:
     """Apply, in this order: TP (+SP) on ``mesh["tensor"]``, activation checkpointing, compile, then
     data parallelism on ``mesh["data"]``: FSDP2 for ZeRO stages 1-3, ``replicate`` (DDP) without ZeRO.
 
+    ``activation_checkpoint``: None/False (off), "selective" or "full" (True: "full"), see
+    :mod:`dufu.parallel.activation_checkpoint`.
     ``mesh`` is the stage's (data, tensor) DeviceMesh; it may be None on one process.
     """
     if tensor_parallel:
@@ -57,7 +40,7 @@ def parallelize(
 
         apply_tensor_parallel(model, mesh["tensor"], sequence_parallel=sequence_parallel)
     if activation_checkpoint:
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, "full" if activation_checkpoint is True else activation_checkpoint)
     if compile:
         apply_compile(model)
     if data_parallel or zero_stage:

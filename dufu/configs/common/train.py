@@ -38,8 +38,13 @@ train = dict(
     # sharding (dufu.parallel.materialize). False: every rank builds the full fp32 model first (what a
     # model without a per-module init, such as HFAutoModel, always gets). The initial weights are the same.
     meta_init=True,
-    activation_checkpoint=dict(enabled=False),
-    compile=dict(enabled=False),
+    # Recompute activations in the backward pass, per transformer block (dufu.parallel.activation_checkpoint):
+    # "selective" keeps matmul and attention outputs and recomputes norms, activations, dropout and casts;
+    # "full" keeps only each block's input and recomputes the whole block.
+    activation_checkpoint=dict(enabled=False, mode="selective"),
+    # torch.compile each transformer block: true, false or "auto" (on where it measured faster, warm-up
+    # included: dufu.parallel.compile.decide_compile). Compiled code is cached in the dufu cache directory.
+    compile=dict(enabled="auto"),
     # period: save every N steps (0: no periodic saves); the last step (and an early stop) is always saved, so
     # a finished run can be resumed, converted and sampled. async_save: write in the background while training
     # goes on (torch DCP async_save).

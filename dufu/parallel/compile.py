@@ -1,0 +1,270 @@
+"""``torch.compile`` per transformer block: a persistent compile cache, a watch on recompiles, and the "auto" rule.
+
+* :func:`apply_compile` compiles each transformer block in place (``nn.Module.compile``: parameter names and
+  the module tree stay as they are, so checkpoints, FSDP and tensor parallelism see the same model). Blocks of
+  one shape share one compiled graph: dynamo guards on the code and the tensors' properties, not on the module.
+* :func:`use_compile_cache` points inductor's caches (FX graph cache, AOTAutograd cache, and on GPUs Triton's
+  kernel cache, all under ``TORCHINDUCTOR_CACHE_DIR``) at ``<dufu cache dir>/inductor``, so a second run of the
+  same model skips code generation and the C++/Triton compiler: the warm-up shrinks to dynamo's tracing.
+* :class:`CompileWatch` counts compilations and their time, and names the guard that failed when something
+  recompiles (a shape, dtype or Python value that changed between steps). A training run compiles each graph
+  once; a recompile in the steady state costs another warm-up and, after ``torch._dynamo.config.recompile_limit``
+  of them, silently falls back to eager code - so the watch reports every one (``on_recompile="warn"`` or
+  ``"error"``).
+* :func:`decide_compile` turns ``train.compile.enabled`` (True, False or "auto") into a decision and the sentence
+  a run logs about it; "auto" compiles when the measured warm-up is paid back within the run (see
+  ``benchmarks/compile.py`` and its results for the numbers behind :data:`CPU_MEASURED`).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import nn
+
+from dufu.data._cache import resolve_cache_dir
+from dufu.parallel.parallelize_utils import transformer_blocks
+
+
+def compile_cache_dir() -> Path:
+    """Where compiled code is kept between runs: ``<dufu cache dir>/inductor``."""
+    return resolve_cache_dir() / "inductor"
+
+
+def use_compile_cache(path: Optional[Path] = None) -> Path:
+    """Keep inductor's compiled graphs in ``path`` (default :func:`compile_cache_dir`) and turn its persistent
+    caches on; returns the directory in use. A ``TORCHINDUCTOR_CACHE_DIR`` the user set wins over dufu's."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    # inductor writes its own default into the variable once it has used it; only another value is the user's.
+    if current and os.path.abspath(current) != os.path.abspath(default_cache_dir()):
+        chosen = Path(current)
+    else:
+        chosen = Path(path) if path is not None else compile_cache_dir()
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(chosen)
+    chosen.mkdir(parents=True, exist_ok=True)
+    import torch._functorch.config
+    import torch._inductor.config
+
+    torch._inductor.config.fx_graph_cache = True  # generated code, keyed by graph, inputs and config
+    torch._functorch.config.enable_autograd_cache = True  # the forward/backward split, so AOT tracing is skipped
+    return chosen
+
+
+def apply_compile(model: nn.Module, *, cache_dir: Optional[Path] = None, cache: bool = True,
+                  dynamic: Optional[bool] = None, fullgraph: bool = False) -> nn.Module:
+    """Compile each transformer block of ``model`` in place (after tensor parallelism and activation
+    checkpointing, before FSDP: see :mod:`dufu.parallel.parallelize`).
+
+    ``cache``/``cache_dir``: the persistent compile cache (:func:`use_compile_cache`). ``dynamic``: as
+    ``torch.compile``'s; the default (None) compiles for the shapes seen and generalises a dimension only after it
+    has changed once, which a training run with fixed batch and sequence sizes never does. ``fullgraph=True``
+    makes a graph break an error instead of a split into several graphs."""
+    blocks = transformer_blocks(model)
+    if not blocks:
+        raise ValueError(f"torch.compile found no transformer block in {type(model).__name__}: dufu compiles the "
+                         "entries of a ModuleDict/ModuleList that carry a layer_idx. Give the model's repeated "
+                         "layers a layer_idx, or set train.compile.enabled=False")
+    if cache:
+        use_compile_cache(cache_dir)
+    for _, block in blocks:
+        block.compile(dynamic=dynamic, fullgraph=fullgraph)
+    return model
+
+
+# ------------------------------------------------------------------------------------------ recompiles
+
+
+class RecompileError(RuntimeError):
+    """A compiled block recompiled where a steady state was expected."""
+
+
+@dataclass
+class CompileWatch:
+    """Count torch.compile's compilations (and the seconds they take) while installed; report recompiles.
+
+    ``steady()`` marks the end of the warm-up (e.g. after the first training step): a compilation after it is a
+    recompile, reported with the guard that failed (``on_recompile``: "warn" - a warning naming it; "error" -
+    raise :class:`RecompileError` at the next :meth:`check`; None - only count). Use as a context manager or
+    with :meth:`install` / :meth:`remove`.
+    """
+
+    on_recompile: Optional[str] = "warn"
+    compiles: int = 0  # dynamo frame compilations and lazily compiled backward graphs
+    seconds: float = 0.0  # wall time inside them
+    warmup_compiles: Optional[int] = None  # compilations before steady() (None: still warming up)
+    recompiles: list = field(default_factory=list)  # guard-failure reasons of compilations after steady()
+    _started: Optional[float] = None
+    _reasons_seen: dict = field(default_factory=dict)
+    _reported: int = 0
+
+    def __post_init__(self):
+        if self.on_recompile not in ("warn", "error", None):
+            raise ValueError(f"on_recompile={self.on_recompile!r}: use 'warn', 'error' or None")
+
+    def install(self) -> "CompileWatch":
+        from torch._dynamo.callback import callback_handler
+
+        callback_handler.register_start_callback(self._start)
+        callback_handler.register_end_callback(self._end)
+        self._reasons_seen = _guard_failure_snapshot()
+        return self
+
+    def remove(self) -> None:
+        from torch._dynamo.callback import callback_handler
+
+        for callbacks, fn in ((callback_handler.start_callbacks, self._start),
+                              (callback_handler.end_callbacks, self._end)):
+            if fn in callbacks:
+                callbacks.remove(fn)
+
+    def __enter__(self) -> "CompileWatch":
+        return self.install()
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+        if exc[0] is None:
+            self.check()
+
+    def _start(self, args) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self, args) -> None:
+        self.compiles += 1
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+        if self.warmup_compiles is not None:
+            reasons = _guard_failures_since(self._reasons_seen)
+            self._reasons_seen = _guard_failure_snapshot()
+            self.recompiles.append("; ".join(reasons) or
+                                   f"a new graph ({getattr(args, 'compile_id', '?')}): a new code path was reached")
+
+    def steady(self) -> None:
+        """The warm-up is over: from now on every compilation is a recompile."""
+        self.warmup_compiles = self.compiles
+        self._reasons_seen = _guard_failure_snapshot()
+
+    def check(self) -> None:
+        """Report the recompiles not reported yet (see ``on_recompile``)."""
+        new = self.recompiles[self._reported:]
+        self._reported = len(self.recompiles)
+        if not new or self.on_recompile is None:
+            return
+        message = (f"torch.compile recompiled {len(new)} time(s) after the warm-up ({self.compiles} compilations, "
+                   f"{self.seconds:.1f} s in all). Each recompile costs a warm-up, and after "
+                   f"torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit} of them dynamo runs "
+                   "the block uncompiled. Make the changing value fixed (batch or sequence size, dtype, a Python "
+                   "flag) or mark the dimension dynamic. Reasons: " + " | ".join(new))
+        if self.on_recompile == "error":
+            raise RecompileError(message)
+        warnings.warn(message, stacklevel=2)
+
+
+def _guard_failure_snapshot() -> dict:
+    """How many guard-failure reasons dynamo has recorded so far, per code object."""
+    from torch._dynamo.guards import guard_failures
+
+    return {code: len(reasons) for code, reasons in guard_failures.items()}
+
+
+def _guard_failures_since(snapshot: dict) -> list[str]:
+    """The guard-failure reasons recorded after ``snapshot`` (dynamo keeps them per code object)."""
+    from torch._dynamo.guards import guard_failures
+
+    return [str(r) for code, reasons in guard_failures.items() for r in reasons[snapshot.get(code, 0):]]
+
+
+# ------------------------------------------------------------------------------------------ "auto"
+
+SETTINGS = (True, False, "auto")
+
+
+@dataclass(frozen=True)
+class CompileMeasurement:
+    """Compiled vs eager training steps of one model, as ``benchmarks/compile.py`` measures them."""
+
+    what: str  # model, dtype, machine and where the numbers are written down
+    speedup: float  # eager steady step time / compiled steady step time (above 1: compiled is faster)
+    warm_s: float  # extra seconds of the first steps when the compile cache has the graphs (every later run)
+    cold_s: float  # ... when it is empty (the first run of a model on a machine)
+
+
+# Measured on a 2-core AMD EPYC (Zen 4, AVX512-BF16, no AMX) CPU, torch 2.13, one thread per process, with other
+# jobs on the machine (benchmarks/results/compile-2026-11-25.md). Keyed by the autocast dtype (None: fp32); a
+# dtype without an entry has no measurement, and "auto" does not compile it on a CPU.
+CPU_MEASURED: dict = {
+    None: CompileMeasurement("gpt_debug training steps, benchmarks/results/compile-2026-11-25.md",
+                             speedup=0.96, warm_s=11, cold_s=86),
+}
+
+# Compile only for a clear gain: smaller differences are within run-to-run noise on a CPU.
+MIN_SPEEDUP = 1.05
+
+
+@dataclass(frozen=True)
+class CompileDecision:
+    """Whether a run compiles its blocks, the sentence its start-up summary shows, and a notice for a setting
+    that the measurements say is the slower one."""
+
+    enabled: bool
+    reason: str
+    notice: Optional[str] = None
+
+
+def check_compile_setting(enabled) -> None:
+    """Raise ValueError saying what to write, for a ``train.compile.enabled`` that is not True, False or "auto"."""
+    if not any(enabled is s or (isinstance(enabled, str) and enabled == s) for s in SETTINGS):
+        raise ValueError(f"train.compile.enabled = {enabled!r} is not a compile setting; use true (compile each "
+                         "transformer block), false (eager) or auto (compile where it measured faster, warm-up "
+                         "included: dufu.parallel.compile.decide_compile).")
+
+
+def decide_compile(enabled, device: torch.device, *, train_iter: int, amp_dtype: Optional[torch.dtype] = None,
+                   step_seconds: Optional[float] = None, measured: Optional[dict] = None) -> CompileDecision:
+    """Turn ``train.compile.enabled`` into a decision for a run of ``train_iter`` steps on ``device``.
+
+    True and False are obeyed (with a notice when the measurements say compiling is the slower choice).
+    "auto" on a CPU compiles when the measured steady speed-up for the dtype (``measured``, default
+    :data:`CPU_MEASURED`) is at least :data:`MIN_SPEEDUP` and, given ``step_seconds`` (an estimate of one eager
+    step), when the run saves more than the first compilation costs: ``train_iter * step_seconds * (1 - 1 /
+    speedup) > cold_s``. On other devices "auto" compiles: inductor's fused GPU kernels are what torch.compile is
+    built for, but dufu's machines have no GPU to measure it, so the summary says so."""
+    check_compile_setting(enabled)
+    table = CPU_MEASURED if measured is None else measured
+    m = table.get(amp_dtype) if device.type == "cpu" else None
+    dtype_name = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype, str(amp_dtype))
+    if m is not None:
+        verdict = (f"compiled steps measured {m.speedup:.2f}x as fast as eager in {dtype_name} on a CPU ({m.what}); "
+                   f"the compile warm-up took {m.warm_s:.0f} s with a filled cache, {m.cold_s:.0f} s without")
+        faster = m.speedup >= MIN_SPEEDUP
+    if enabled is not True and enabled is not False:  # "auto"
+        if device.type != "cpu":
+            return CompileDecision(True, f"on (auto; {device.type}: compiled kernels are the usual gain on "
+                                         "accelerators, not measured by dufu; train.compile.enabled=false skips "
+                                         "the warm-up)")
+        if m is None:
+            return CompileDecision(False, f"off (auto): compiled {dtype_name} steps have not measured faster on a "
+                                          "CPU (benchmarks/compile.py); train.compile.enabled=true compiles")
+        if not faster:
+            return CompileDecision(False, f"off (auto): {verdict}; compiling would add its warm-up and save "
+                                          "nothing (train.compile.enabled=true compiles anyway)")
+        if step_seconds is not None:
+            saved = train_iter * step_seconds * (1 - 1 / m.speedup)
+            if saved <= m.cold_s:
+                return CompileDecision(False, f"off (auto): {verdict}; {train_iter} steps of ~{step_seconds:.2g} "
+                                              f"s would save ~{saved:.0f} s, less than the first compilation")
+        return CompileDecision(True, f"on (auto): {verdict}")
+    if m is not None and enabled is True and not faster:
+        return CompileDecision(True, "on (train.compile.enabled=true)",
+                               notice=f"compiling is the slow choice here: {verdict}; train.compile.enabled=auto "
+                                      "would run eager")
+    word = "on" if enabled else "off"
+    return CompileDecision(bool(enabled), f"{word} (train.compile.enabled={str(enabled).lower()})")
