@@ -3,7 +3,8 @@
     python benchmarks/train_step.py                  # GPT-2 small, batch 4 x sequence 256, fp32 and bf16
     python benchmarks/train_step.py --batch 8 --seq 512 --steps 7
     python benchmarks/train_step.py --quick          # tiny model, smoke run (< 30 s)
-    python benchmarks/train_step.py --profile        # also print a torch.profiler op table per configuration
+    python benchmarks/train_step.py --profile        # also: where the step time goes, by category, per dtype
+    python benchmarks/train_step.py --quick --profile --results-dir /tmp/r   # the same on the tiny model
 
 The three implementations train the same architecture (GPT-2 small: 12 layers, hidden 768, 12 heads,
 1024 positions, vocab 50,304, tied embeddings, dropout 0) with the same objective, optimizer and clipping:
@@ -35,6 +36,11 @@ formula for all three (``dufu.engine.flops``: ``6 N + 12 L H T`` FLOPs per token
 (on a CPU the best large-matmul throughput measured during this run: dufu measures at every call and keeps
 the best value in ``DUFU_CACHE_DIR``, which is a temporary directory here).
 
+``--profile``: after the timed steps, ``--profile-steps`` more steps of each implementation run under
+torch.profiler (CPU activities, shapes not recorded), and the self CPU time of every op is split into matmul,
+attention, loss, norms/elementwise, optimizer, casts, communication and other (rules in ``PROFILE_RULES``, tested
+in tests/test_benchmarks_profile.py): one table per dtype, implementations side by side, in ms/step and share.
+
 Results go to ``benchmarks/results/train_step-<YYYY-MM-DD>.json`` and ``.md`` (not for ``--quick`` unless
 ``--results-dir`` is given).
 """
@@ -55,13 +61,15 @@ import tempfile
 import time
 from pathlib import Path
 
-# dufu's caches (tokenized corpus, measured peak FLOP/s) go to a throw-away directory; set before dufu loads.
-_TMP = tempfile.TemporaryDirectory(prefix="dufu-bench-")
-os.environ["DUFU_CACHE_DIR"] = str(Path(_TMP.name) / "cache")
+# This checkout's dufu, whatever else is installed (`python benchmarks/x.py` puts benchmarks/ first on the path,
+# not the repository).
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from dufu.config import LazyConfig, resolve_config_path
 from dufu.data import collate
@@ -72,7 +80,6 @@ from dufu.engine.trainer import Trainer
 
 IMPLS = ("dufu", "plain", "hf")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
-REPO = Path(__file__).resolve().parents[1]
 
 # GPT-2 small, and the tiny model of --quick.
 FULL_MODEL = dict(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50304, max_position_embeddings=1024)
@@ -241,9 +248,10 @@ class LoopRunner:
         with self.autocast():
             loss = self.forward_loss(self.model, x, y)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function(OPTIMIZER_REGION):  # named for --profile (torch adds its own Optimizer.step# too)
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
         return loss.item()
 
     @torch.no_grad()
@@ -316,6 +324,185 @@ def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
+# ----------------------------------------------------------------------------- --profile: where a step's time goes
+# Each profiled step runs inside record_function(STEP_REGION); the loops' clip + optimizer.step + zero_grad inside
+# record_function(OPTIMIZER_REGION) (dufu's update is found through torch's own "Optimizer.step#..." regions and
+# the names of the gradient-clipping ops, since the benchmark does not change dufu's code).
+STEP_REGION = "benchmark.step"
+OPTIMIZER_REGION = "benchmark.optimizer"
+PROFILE_CATEGORIES = ("matmul", "attention", "loss", "norms/elementwise", "optimizer", "casts", "communication",
+                      "other")
+PROFILE_RULES = """\
+Every profiled event's *self* CPU time (its time minus that of the ops it called; the step region's own self
+time is the Python and framework time between ops) goes to exactly one category, so the categories add up to
+the profiled step. An event is judged by its own name and the names of the events it runs inside (its
+ancestors, which include the autograd nodes of backward, e.g. `MmBackward0`), by the first rule that holds:
+
+1. optimizer: inside the benchmark's optimizer region, or torch's `Optimizer.step#...` / `Optimizer.zero_grad#...`
+   regions, or a gradient-clipping op (`_foreach_*`, `linalg_vector_norm`), which dufu runs outside them;
+2. communication: inside a `c10d::` / `gloo:` / `nccl:` / `record_param_comms` op (zero on one process);
+3. casts: inside `aten::to` / `_to_copy` / `_autocast_to_*` / `type_as` or a `ToCopyBackward0` node: autocast's
+   casts of weights and activations, and the fp32 cast of the logits for the loss (its copy_ is counted here);
+4. attention: inside `scaled_dot_product_attention` or its backward node (every kernel SDPA dispatches to, math
+   fallback included); without SDPA, `bmm`/`baddbmm`, `softmax`/`_softmax` and their backward nodes
+   (`BmmBackward0`, `SoftmaxBackward0`): in these models a batched matmul only occurs in attention (a linear
+   layer on (B, T, C) runs as one `mm`) and the only plain softmax is attention's (the loss takes `log_softmax`);
+   the masking and scaling around an eager attention are elementwise and fall under norms/elementwise;
+5. loss: inside `cross_entropy`, `log_softmax`, `nll_loss`, `logsumexp` or their backward nodes (the softmax
+   over the vocabulary), or a custom autograd function whose name says cross entropy, except the matmuls such a
+   fused loss runs itself, which stay matmul;
+6. matmul / norms/elementwise: the nearest of the event and its ancestors named as a matmul (`mm`, `addmm`,
+   `bmm`, `linear`, `matmul`, ... and `MmBackward0`-style nodes: a bias gradient's `sum` under
+   `AddmmBackward0` is matmul) or as a norm / activation / dropout / arithmetic op (`layer_norm`, `gelu`,
+   `dropout`, `add`, `mul`, `div`, `tanh`, `where`, ... and their backward nodes);
+7. other: the rest: embedding lookups and their backward, views, copies for `contiguous`, gradient
+   accumulation, `.item()` syncs, the Python between ops.
+
+Self CPU time is measured on the thread that runs the op: on a CPU this is the step's wall time (intra-op
+threads work inside an op's time); on CUDA it is host time, not kernel time."""
+
+_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "addmv", "mv", "dot", "_addmm_activation",
+           "mmbackward0", "addmmbackward0", "linearbackward0", "matmulbackward0", "addmvbackward0", "mvbackward0"}
+_ELEMENTWISE = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "pow", "rsqrt", "sqrt", "exp",
+                "where", "masked_fill", "masked_fill_", "addcmul", "addcdiv", "clamp", "clamp_min", "threshold_backward",
+                "rsub", "reciprocal", "abs", "fill_", "zero_", "mean", "var_mean", "erf"}
+_ELEMENTWISE_NODES = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "where", "maskedfill",
+                      "rsub", "mean", "clamp", "erf"}
+_NORM_WORDS = ("layer_norm", "layernorm", "rms_norm", "rmsnorm", "gelu", "dropout", "tanh", "silu", "relu",
+               "sigmoid")
+_CASTS = {"to", "_to_copy", "_autocast_to_reduced_precision", "_autocast_to_full_precision", "type_as",
+          "tocopybackward0"}
+_ATTENTION_OPS = {"bmm", "baddbmm", "softmax", "_softmax", "_softmax_backward_data", "bmmbackward0",
+                  "baddbmmbackward0", "softmaxbackward0"}
+_LOSS_PREFIXES = ("cross_entropy", "log_softmax", "_log_softmax", "nll_loss", "logsumexp", "logsoftmaxbackward",
+                  "nlllossbackward", "logsumexpbackward")
+
+
+def _base(name: str) -> str:
+    """``aten::native_layer_norm`` -> ``native_layer_norm``; ``autograd::engine::evaluate_function: MmBackward0``
+    -> ``mmbackward0``."""
+    name = name.split("evaluate_function: ", 1)[-1]
+    for prefix in ("aten::", "torch::autograd::"):
+        if name.startswith(prefix):
+            name = name[len(prefix):]
+    return name.strip().lower()
+
+
+def _is_optimizer(name: str, base: str) -> bool:
+    return (name == OPTIMIZER_REGION or name.startswith(("Optimizer.step#", "Optimizer.zero_grad#"))
+            or base.startswith("_foreach_") or base == "linalg_vector_norm")
+
+
+def _is_communication(name: str) -> bool:
+    return name.startswith(("c10d::", "gloo:", "nccl:", "record_param_comms", "ProcessGroup"))
+
+
+def _is_matmul(base: str) -> bool:
+    return base in _MATMUL
+
+
+def _is_norm_or_elementwise(base: str) -> bool:
+    if any(w in base for w in _NORM_WORDS) or base in _ELEMENTWISE:
+        return True
+    return base.endswith("backward0") and base[: -len("backward0")] in _ELEMENTWISE_NODES
+
+
+def categorize(names: list[str]) -> str:
+    """The category of an event from its own name followed by its ancestors' (innermost first); see
+    PROFILE_RULES."""
+    bases = [_base(n) for n in names]
+    if any(_is_optimizer(n, b) for n, b in zip(names, bases)):
+        return "optimizer"
+    if any(_is_communication(n) for n in names):
+        return "communication"
+    if any(b in _CASTS for b in bases):
+        return "casts"
+    if any("scaled_dot_product" in b or "scaleddotproduct" in b or b in _ATTENTION_OPS for b in bases):
+        return "attention"
+    if any(b.startswith(_LOSS_PREFIXES) or "crossentropy" in b.replace("_", "") for b in bases):
+        return "matmul" if _is_matmul(bases[0]) else "loss"
+    for b in bases:
+        if _is_matmul(b):
+            return "matmul"
+        if _is_norm_or_elementwise(b):
+            return "norms/elementwise"
+    return "other"
+
+
+def step_breakdown(events, num_steps: int) -> dict:
+    """Milliseconds per step by category, from profiler ``events`` (``prof.events()``) of ``num_steps`` steps each
+    run inside ``record_function(STEP_REGION)``. Events on other threads (CUDA's autograd thread) count when they
+    start inside a step. Returns ``{"ms": {category: ms}, "total_ms", "step_wall_ms", "top_other": [(op, ms)],
+    "top_ops": [[op, category, ms]]}``: ``total_ms`` is the sum of the categories, ``step_wall_ms`` the mean
+    duration of the step regions, ``top_ops`` the 15 ops with the most self time."""
+    steps = [e for e in events if e.name == STEP_REGION]
+    if len(steps) != num_steps:
+        raise ValueError(f"found {len(steps)} '{STEP_REGION}' regions in the profile, expected {num_steps}: run "
+                         f"each profiled step inside record_function('{STEP_REGION}')")
+    windows = [(e.time_range.start, e.time_range.end) for e in steps]
+    step_ids = {id(e) for e in steps}
+    ms = dict.fromkeys(PROFILE_CATEGORIES, 0.0)
+    other: dict[str, float] = {}
+    ops: dict[tuple[str, str], float] = {}
+    for e in events:
+        chain, node = [], e
+        while node is not None:
+            chain.append(node)
+            node = node.cpu_parent
+        root = chain[-1]
+        inside = id(root) in step_ids or (
+            root.thread != steps[0].thread and any(a <= e.time_range.start < b for a, b in windows))
+        if not inside:
+            continue
+        names = [n.name for n in chain if id(n) not in step_ids]
+        cat = categorize(names) if names else "other"
+        t = e.self_cpu_time_total / 1e3 / num_steps  # us -> ms per step
+        ms[cat] += t
+        op = e.name if names else "(Python and framework between ops)"
+        ops[(op, cat)] = ops.get((op, cat), 0.0) + t
+        if cat == "other":
+            key = "(Python and framework between ops)" if not names else e.name
+            other[key] = other.get(key, 0.0) + t
+    top = sorted(other.items(), key=lambda kv: -kv[1])[:5]
+    top_ops = [[op, cat, t] for (op, cat), t in sorted(ops.items(), key=lambda kv: -kv[1])[:15]]
+    return {"ms": ms, "total_ms": sum(ms.values()),
+            "step_wall_ms": sum(b - a for a, b in windows) / 1e3 / num_steps, "top_other": top, "top_ops": top_ops}
+
+
+def profile_steps(runner, num_steps: int, device: torch.device) -> dict:
+    """``num_steps`` steps of ``runner`` under torch.profiler (CPU activities, no shapes), broken down."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
+        for _ in range(num_steps):
+            with record_function(STEP_REGION):
+                runner.step()
+                sync(device)
+    return step_breakdown(prof.events(), num_steps)
+
+
+def profile_table(impls: list[str], breakdowns: dict) -> str:
+    """One table for one dtype: categories down, implementations across (ms/step and share)."""
+    head = "| category | " + " | ".join(f"{n} ms/step | {n} share" for n in impls) + " |"
+    lines = [head, "|---|" + "---:|---:|" * len(impls)]
+    for cat in PROFILE_CATEGORIES:
+        cells = []
+        for n in impls:
+            b = breakdowns[n]
+            cells.append(f"{b['ms'][cat]:,.1f} | {b['ms'][cat] / b['total_ms']:.1%}")
+        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
+    lines.append("| **total (sum)** | " + " | ".join(f"**{breakdowns[n]['total_ms']:,.1f}** | 100%" for n in impls)
+                 + " |")
+    lines.append("| profiled step, wall | " + " | ".join(f"{breakdowns[n]['step_wall_ms']:,.1f} | " for n in impls)
+                 + " |")
+    return "\n".join(lines)
+
+
+def top_other_lines(impls: list[str], breakdowns: dict) -> list[str]:
+    return [f"{n}: largest in other: " + ", ".join(f"{op} {t:,.1f} ms" for op, t in breakdowns[n]["top_other"])
+            for n in impls]
+
+
 def run_phase(args, dtype_name: str, model_size: dict, workdir: Path, log) -> dict:
     """Build the three implementations for one dtype, check they agree, then time them interleaved."""
     amp_dtype = DTYPES[dtype_name]
@@ -372,15 +559,12 @@ def run_phase(args, dtype_name: str, model_size: dict, workdir: Path, log) -> di
 
     profiles = {}
     if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-
         for n in order:
-            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            with profile(activities=acts) as prof:
-                runners[n].step()
-            table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
-            profiles[n] = table
-            log(f"\n[{dtype_name}] profile of one {n} step (sorted by self CPU time)\n{table}")
+            profiles[n] = profile_steps(runners[n], args.profile_steps, device)
+        log(f"\n[{dtype_name}] where a step's time goes: self CPU time of {args.profile_steps} profiled steps per "
+            f"implementation, ms/step\n" + profile_table(order, profiles))
+        for line in top_other_lines(order, profiles):
+            log(line)
 
     fpt = flops_per_token(
         count_matmul_params(dufu.model), model_size["num_layers"], model_size["hidden_size"], args.seq
@@ -497,11 +681,18 @@ def main(argv=None) -> int:
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: fp32, bf16 (bf16 = bf16 autocast)")
     p.add_argument("--impls", default="dufu,plain,hf", help="comma-separated subset of dufu, plain, hf")
     p.add_argument("--quick", action="store_true", help="a tiny 2-layer model: a smoke run of the whole script")
-    p.add_argument("--profile", action="store_true", help="print a torch.profiler op table of one step per configuration")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile a few steps per implementation and dtype and split the step time into "
+                        "matmul / attention / loss / norms+elementwise / optimizer / casts / communication / other")
+    p.add_argument("--profile-steps", type=int, default=3, help="steps profiled per configuration (default 3)")
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
     p.add_argument("--results-dir", default=None,
                    help="where the dated .json/.md go (default benchmarks/results; --quick writes nothing unless given)")
     args = p.parse_args(argv)
+    # dufu's caches (tokenized corpus, measured peak FLOP/s) go to a throw-away directory (dufu reads the variable
+    # when it needs a cache, so setting it here is early enough; importing this module changes nothing).
+    cache = tempfile.TemporaryDirectory(prefix="dufu-bench-")
+    os.environ["DUFU_CACHE_DIR"] = str(Path(cache.name) / "cache")
     q = args.quick
     args.batch = args.batch or (2 if q else 4)
     args.seq = args.seq or (64 if q else 256)
@@ -577,11 +768,21 @@ def main(argv=None) -> int:
             "batch": args.batch, "seq": args.seq, "tokens_per_step": tokens,
             "warmup_steps": args.warmup, "timed_steps": args.steps,
             "machine": info,
-            "phases": [{k: v for k, v in ph.items() if k != "profiles"} for ph in phases],
+            "phases": phases,
+            "profile_rules": PROFILE_RULES if args.profile else None,
             "verdicts": verdict,
             "wall_seconds": wall,
         }
         stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
+        profile_md = []
+        if args.profile:
+            profile_md = [f"## Where a step's time goes (`--profile`, {args.profile_steps} profiled steps per "
+                          "implementation, after the timed steps)", ""]
+            for ph in phases:
+                impls = [r["impl"] for r in ph["rows"]]
+                profile_md += [f"### {ph['dtype']}", "", profile_table(impls, ph["profiles"]), "",
+                               *[f"- {line}" for line in top_other_lines(impls, ph["profiles"])], ""]
+            profile_md += ["How events are assigned to categories:", "", PROFILE_RULES, ""]
         md = [
             f"# train_step benchmark, {started:%Y-%m-%d}",
             "",
@@ -604,6 +805,7 @@ def main(argv=None) -> int:
             f"MFU = (6N + 12LHT) x tokens/s / peak, {phases[0]['flops_per_token'] / 1e6:,.1f} MFLOP/token for "
             "all three; peak: " + "; ".join(peaks) + ".",
             "",
+            *profile_md,
             f"Machine: {info['cpu']} ({', '.join(info['cpu_features']) or 'no AVX-512/AMX'}), "
             f"{info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads; torch {info['torch']}, "
             f"transformers {info['transformers']}, Python {info['python']}; {info['platform']}. "
