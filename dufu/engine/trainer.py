@@ -235,11 +235,14 @@ class Trainer:
         """Keep autocast's low-precision copies of the weights from the first micro-batch's forward to the end
         of the step, so the later micro-batches reuse them instead of casting every weight again (autocast
         drops its cache when the outermost autocast region ends: this outer region, with autocast itself off,
-        spans the step). Not under ZeRO-3, where it would hold a copy of every gathered weight for the step.
-        train.amp.cache_weight_casts=False: cast in every forward."""
+        spans the step). Not under data parallelism: FSDP2 (ZeRO, and DDP through ``replicate``) swaps each
+        module's parameters between sharded and gathered tensors around every forward and backward, and the
+        cached copies then broke parity with one process (bf16 and fp16 dp2 left its tolerance); under ZeRO-3
+        the cache would also hold a copy of every gathered weight. train.amp.cache_weight_casts=False: cast in
+        every forward."""
         t = self.cfg.train
         if (self.amp_dtype is None or num_micro_batches < 2 or not t.amp.get("cache_weight_casts", True)
-                or (t.zero_optimization.enabled and t.zero_optimization.stage >= 3)):
+                or self.dims.dp_enabled or t.zero_optimization.enabled):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, enabled=False)
 
