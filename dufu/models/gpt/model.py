@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dufu.layers import KVCache, LayerNorm, Linear, PositionEmbedding, TransformerLayer, VocabEmbedding
-from dufu.layers.loss import causal_lm_loss
+from dufu.layers.loss import causal_lm_loss, fused_linear_cross_entropy, next_token_labels
 from dufu.models.outputs import ModelOutput
 from dufu.models.base import InitByModule
 
@@ -42,10 +42,17 @@ class GPTModel(InitByModule, nn.Module):
         bias: bool = True,
         tie_word_embeddings: bool = True,
         initializer_range: float = 0.02,
+        fused_loss: bool = False,
         pretrained: Optional[str] = None,
     ):
         """``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
-        building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it."""
+        building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it.
+
+        ``fused_loss``: with labels, compute the head and the cross entropy together, chunk by chunk
+        (:func:`dufu.layers.loss.fused_linear_cross_entropy`): the full (B, T, V) logits never exist, so the
+        output then has ``loss`` and ``logits=None``. Without labels, and on pipeline stages (whose last stage
+        returns logits to ``pipeline_loss``), the logits are computed as always. Off by default: it
+        saves memory but measured no faster at the default recipe's shape (benchmarks/fused_loss.py)."""
         super().__init__()
         if hidden_size % num_attention_heads != 0:
             raise ValueError(
@@ -58,6 +65,7 @@ class GPTModel(InitByModule, nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.tie_word_embeddings = tie_word_embeddings
+        self.fused_loss = fused_loss
         # Names that hold one shared tensor: a checkpoint that has only one of them serves both.
         self.tied_parameter_names = {"lm_head.weight": "wte.weight"} if tie_word_embeddings else {}
         # False: forward returns a plain tensor (logits, or hidden states on an inner pipeline stage),
@@ -109,8 +117,13 @@ class GPTModel(InitByModule, nn.Module):
         """Hugging Face semantics: ``labels`` are the input ids (shifted inside, -100 ignored);
         ``shift_labels`` are already the next-token ids (what dufu's trainer passes, no token wasted).
         ``attention_mask`` (B, T_past + T): 1 for tokens, 0 for padding. ``kv_cache``: keys and values of
-        earlier positions (incremental decoding); ``position_ids`` then default to ``past .. past + T - 1``."""
+        earlier positions (incremental decoding); ``position_ids`` then default to ``past .. past + T - 1``.
+        With ``fused_loss`` and labels, ``logits`` is None (see __init__)."""
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, kv_cache)
+        if self.fused_loss and self.lm_head is not None and (labels is not None or shift_labels is not None):
+            target = shift_labels if shift_labels is not None else next_token_labels(labels)  # (B, T)
+            h = self.ln_f(hidden) if self.ln_f is not None else hidden
+            return ModelOutput(loss=fused_linear_cross_entropy(h, self.lm_head.weight, target))
         logits = self.head(hidden)
         if not self.return_dict and labels is None and shift_labels is None:
             return logits

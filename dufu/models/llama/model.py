@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dufu.layers import Attention, GatedMLP, KVCache, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
-from dufu.layers.loss import causal_lm_loss
+from dufu.layers.loss import causal_lm_loss, fused_linear_cross_entropy, next_token_labels
 from dufu.models.outputs import ModelOutput
 from dufu.models.base import InitByModule
 
@@ -77,7 +77,13 @@ class LlamaModel(InitByModule, nn.Module):
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
 
     ``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
-    building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it."""
+    building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it.
+
+    ``fused_loss``: with labels, compute the head and the cross entropy together, chunk by chunk
+    (:func:`dufu.layers.loss.fused_linear_cross_entropy`): the full (B, T, V) logits never exist, so the output
+    then has ``loss`` and ``logits=None``. Without labels, and on pipeline stages (whose last stage returns
+    logits to ``pipeline_loss``), the logits are computed as always. Off by default: it
+    saves memory but measured no faster at the default recipe's shape (benchmarks/fused_loss.py)."""
 
     # What pipeline parallelism needs to split this model (see dufu.parallel.pipeline).
     pipeline_layout = {"blocks": "blocks", "first": ("wte",), "last": ("norm", "lm_head")}
@@ -104,6 +110,7 @@ class LlamaModel(InitByModule, nn.Module):
         attention_dropout: float = 0.0,
         tie_word_embeddings: bool = False,
         initializer_range: float = 0.02,
+        fused_loss: bool = False,
         pretrained: Optional[str] = None,
     ):
         super().__init__()
@@ -128,6 +135,7 @@ class LlamaModel(InitByModule, nn.Module):
         self.rope_scaling = dict(rope_scaling) if rope_scaling else None
         self.initializer_range = initializer_range
         self.tie_word_embeddings = tie_word_embeddings
+        self.fused_loss = fused_loss
         # Names that hold one shared tensor: a checkpoint that has only one of them serves both.
         self.tied_parameter_names = {"lm_head.weight": "wte.weight"} if tie_word_embeddings else {}
         # False: forward returns a plain tensor (what a pipeline stage must return).
@@ -170,12 +178,16 @@ class LlamaModel(InitByModule, nn.Module):
         ``shift_labels`` are already the next-token ids (what dufu's trainer passes).
         ``attention_mask`` (B, T_past + T): 1 for tokens, 0 for padding. ``position_ids`` (B|1, T): default
         ``past .. past + T - 1`` where past is the length already in ``kv_cache``. On a later pipeline stage
-        ``input_ids`` are the hidden states (B, T, C) of the stage before."""
+        ``input_ids`` are the hidden states (B, T, C) of the stage before. With ``fused_loss`` and labels,
+        ``logits`` is None (see the class docstring)."""
         h = self.drop(self.wte(input_ids)) if self.wte is not None else input_ids  # (B, T, C)
         for block in self.blocks.values():
             h = block(h, attention_mask=attention_mask, position_ids=position_ids, kv_cache=kv_cache)
         if self.norm is not None:
             h = self.norm(h)
+        if self.fused_loss and self.lm_head is not None and (labels is not None or shift_labels is not None):
+            target = shift_labels if shift_labels is not None else next_token_labels(labels)  # (B, T)
+            return ModelOutput(loss=fused_linear_cross_entropy(h, self.lm_head.weight, target))
         logits = self.lm_head(h) if self.lm_head is not None else h  # (B, T, V)
         if not self.return_dict and labels is None and shift_labels is None:
             return logits

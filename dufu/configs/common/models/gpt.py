@@ -17,6 +17,11 @@ model = L(GPTModel)(
     bias=True,
     tie_word_embeddings=True,
     initializer_range=0.02,
+    # True: with labels, output projection + cross entropy chunk by chunk, never the whole (B, T, V) fp32 logits
+    # (dufu.layers.loss.fused_linear_cross_entropy; the output's logits are then None). Less memory (GPT-2 small,
+    # 4 x 256 tokens: peak 297 vs 589 MiB in fp32), but not faster on 2 CPU threads at the default recipe's shape
+    # (benchmarks/results/fused_loss-*.md), so off by default; turn it on for large vocabularies.
+    fused_loss=False,
     # A Hugging Face GPT-2 directory or a dufu run/checkpoint to start from (sizes above must match it).
     pretrained=None,
 )
