@@ -33,13 +33,26 @@ peak - baseline per rank (the larger of the ranks) next to
 * the ZeRO paper's model-state memory per rank (Rajbhandari et al. 2020): fp32 parameters 4 B + gradients 4 B +
   AdamW's two moments 8 B per parameter; stage 1 divides the optimizer states by dp, stage 2 also the
   gradients, stage 3 also the parameters;
-* what dufu's mechanism should hold at its peak: stage 1 and 2 both run as FSDP2 with
-  ``reshard_after_forward=False`` (``dufu/parallel/data_parallel.py``), so every rank keeps the gathered full
-  parameters (4 B/param) from forward until each block's backward, next to its own shards of parameters (4/dp),
-  optimizer states (8/dp) and, replacing the gathered blocks during backward, gradients (4/dp): 4 + 12/dp
-  bytes per parameter for both stages -- the paper's ZeRO-2 number, below its ZeRO-1 number. Stage 3 frees each
-  block's gathered parameters after forward, but the root unit (embeddings, tied head, final norm) is never
-  resharded after forward: 16/dp bytes per parameter plus 4 bytes per root parameter.
+* the same plus one FSDP unit's working set, the figure ZeRO-3 is held to: the paper counts model states only
+  and leaves activations and temporary buffers to its "residual states"; FSDP2 works one unit at a time, so
+  beyond its shards a rank holds, while a block is in backward, that block's gathered parameters and
+  full-size gradient and the next block's parameters (gathered one unit ahead), 12 B per block parameter,
+  and at the end of backward the embedding's full-size gradient and the reduce-scatter buffer it is copied
+  into, 8 B per parameter; the larger of the two. Activations (micro-batch 1 x sequence 64: about 3 MiB per
+  block at the start of backward) are in no figure;
+* what dufu's mechanism should hold at its peak (``dufu/parallel/data_parallel.py``). ZeRO-3: FSDP units are
+  the blocks, the embedding tables (freed after forward, never gathered in backward) and the final norm +
+  head (gathered from its forward to its backward); a tied head holds a sharded copy of the embedding (4/dp
+  B per table entry) whose gradient shard is added to the embedding's: the figure above + the copy. ZeRO-1
+  and ZeRO-2 run the same (stage 1 with stage-2 sharding), with the blocks and a root unit holding
+  embeddings, head and final norm, all kept gathered from forward to backward, so their peak can also be at
+  the start of backward: 12/dp B/param of shards + every block and the root gathered (4 B) + the head's
+  full gradient (4 B per head parameter). On gloo, dufu reduce-scatters gradients through an
+  in-place all-reduce: gloo's own ``reduce_scatter_tensor`` stages a full copy of its input (about 1.3x the
+  unit's gradient), which the paper's figure does not have and NCCL does not make.
+
+``--before PATH`` adds the train-phase numbers of an earlier results file (e.g. the same script run on a
+checkout of the previous code) next to this run's.
 
 **Build memory, meta-device init vs the full model first** (``--only init``). The memory model runs 2 steps
 in 1 process, dp2 ZeRO off (DDP), dp2 and dp4 ZeRO-3, tp2 and pp2 (1F1B, 2 micro-batches), each layout
@@ -295,13 +308,16 @@ def throughput_runs(layouts: list[Layout], steps: int, warmup: int, threads: int
 
 # ----------------------------------------------------------------------------- memory
 def parameter_counts(model: dict) -> dict:
-    """Exact parameter counts of the memory model, built on the meta device: total, root unit, one block, and
-    the largest module's own parameters and buffers (what the meta-device initialisation fills in full at once:
+    """Exact parameter counts of the memory model, built on the meta device: total, root unit (everything
+    outside the blocks), one block, the FSDP end units of ``dufu.parallel.data_parallel`` (embedding tables,
+    final norm + head, a tied head counted in both) and the tied copy a rank holds under ZeRO, and the largest
+    module's own parameters and buffers (what the meta-device initialisation fills in full at once:
     ``dufu.parallel.materialize.ModuleInitializer``)."""
     import torch
 
     from dufu.config import LazyConfig, instantiate, resolve_config_path
     from dufu.parallel import transformer_blocks
+    from dufu.parallel.data_parallel import end_units
 
     cfg = LazyConfig.load(str(resolve_config_path("gpt_debug")))
     cfg = LazyConfig.apply_overrides(cfg, [f"model.{k}={v}" for k, v in model.items()])
@@ -311,11 +327,16 @@ def parameter_counts(model: dict) -> dict:
     total = unique(m.parameters())
     blocks = transformer_blocks(m)
     in_blocks = sum(unique(b.parameters()) for _, b in blocks)
+    embeddings, last = end_units(m)
+    tied_copy = sum(m.get_parameter(a).numel() for a, s in getattr(m, "tied_parameter_names", {}).items()
+                    if m.get_parameter(a) is m.get_parameter(s))
     own = {name: sum(t.numel() * t.element_size() for t in [*mod._parameters.values(), *mod._buffers.values()]
                      if t is not None) for name, mod in m.named_modules()}
     largest = max(own, key=own.get)
     return {"total": total, "root": total - in_blocks, "per_block": in_blocks // max(1, len(blocks)),
-            "num_blocks": len(blocks), "largest_module": largest, "largest_module_bytes": own[largest]}
+            "num_blocks": len(blocks), "embedding_unit": unique(p for e in embeddings for p in e.parameters()),
+            "head_unit": unique(p for h in last for p in h.parameters()), "tied_copy": tied_copy,
+            "largest_module": largest, "largest_module_bytes": own[largest]}
 
 
 def theory_bytes(P: int, stage: int, dp: int) -> float:
@@ -330,14 +351,39 @@ def theory_bytes(P: int, stage: int, dp: int) -> float:
     return params + grads + optim
 
 
+def working_set_bytes(counts: dict) -> float:
+    """What FSDP2 holds beyond the shards while one unit is in backward, the larger of: a block's gathered
+    parameters and full-size gradient, and the next block's parameters (FSDP2 gathers one unit ahead in
+    backward), 12 B per block parameter; at the end, the embedding tables' full-size gradient and the
+    reduce-scatter buffer it is copied into (never gathered: an embedding's backward needs only the indices),
+    8 B per parameter of the end units."""
+    end_unit = max(counts.get("embedding_unit", 0), counts.get("head_unit", 0))
+    return max(12.0 * counts["per_block"], 8.0 * end_unit)
+
+
 def dufu_estimate_bytes(counts: dict, stage: int, dp: int) -> float:
-    """The peak model-state memory of dufu's mechanism (see the module docstring)."""
+    """The peak memory of dufu's mechanism (see the module docstring)."""
     P = counts["total"]
     if stage == 0:
         return 16.0 * P  # replicate: everything on every rank
-    if stage in (1, 2):
-        return 4.0 * P + 12.0 * P / dp  # gathered params kept forward->backward + own shards
-    return 16.0 * P / dp + 4.0 * counts["root"]  # root unit stays gathered forward->backward
+    if stage == 3:  # + the tied head's sharded copy of the embedding
+        return 16.0 * P / dp + 4.0 * counts.get("tied_copy", 0) / dp + working_set_bytes(counts)
+    # Stages 1 and 2: blocks and the root (embeddings, head, final norm) stay gathered from forward to
+    # backward; at the start of backward the head's full gradient (the tied one held to the end) comes on top.
+    gathered = counts["num_blocks"] * counts["per_block"] + counts["root"]
+    start_of_backward = 12.0 * P / dp + 4.0 * gathered + 4.0 * counts["head_unit"]
+    return max(start_of_backward, 16.0 * P / dp + working_set_bytes(counts))
+
+
+def derive_memory_figures(mem: dict) -> None:
+    """(Re)compute each row's model states, ZeRO figure and mechanism estimate from the parameter counts."""
+    for r in mem["rows"]:
+        if r["kind"] != "model":
+            continue
+        c = mem["parameters_untied" if r.get("variant") == "untied" else "parameters"]
+        states = theory_bytes(c["total"], r["zero_stage"], r["dp"])
+        r.update(theory_mib=states / MiB, dufu_estimate_mib=dufu_estimate_bytes(c, r["zero_stage"], r["dp"]) / MiB,
+                 zero_figure_mib=(states + working_set_bytes(c)) / MiB if r["zero_stage"] else None)
 
 
 def read_ranks(mem_dir: Path, nproc: int) -> list[dict] | None:
@@ -438,8 +484,7 @@ def memory_runs(jobs: list[MemoryJob], model: dict, work: Path, cache: Path, tim
             rows.append(row)
             continue
         c = counts["untied" if job.variant == "untied" else "tied"]
-        row.update(parameters=c["total"], theory_mib=theory_bytes(c["total"], job.stage, job.dp) / MiB,
-                   dufu_estimate_mib=dufu_estimate_bytes(c, job.stage, job.dp) / MiB)
+        row.update(parameters=c["total"])
         base = baselines.get((job.dp, job.allocator)) or baselines.get((job.dp, "mmap64k"))
         if base is not None:
             row["baseline_peak_mib_max_rank"] = max(phase_mib(b, "peak") for b in base)
@@ -447,9 +492,11 @@ def memory_runs(jobs: list[MemoryJob], model: dict, work: Path, cache: Path, tim
                 diffs = [phase_mib(r, phase) - phase_mib(b, phase) for r, b in zip(ranks, base)]
                 row[f"{phase}_minus_baseline_mib"] = {"max": max(diffs), "min": min(diffs)}
         rows.append(row)
-    return {"model": model, "parameters": counts["tied"], "parameters_untied": counts["untied"],
-            "steps": MEMORY_STEPS, "seq_length": MEMORY_SEQ, "micro_batch_size": 1, "allocators": ALLOCATORS,
-            "rows": rows}
+    mem = {"model": model, "parameters": counts["tied"], "parameters_untied": counts["untied"],
+           "steps": MEMORY_STEPS, "seq_length": MEMORY_SEQ, "micro_batch_size": 1, "allocators": ALLOCATORS,
+           "rows": rows}
+    derive_memory_figures(mem)
+    return mem
 
 
 # ----------------------------------------------------------------------------- build memory: meta vs full init
@@ -628,19 +675,44 @@ def _train_excess(r: dict) -> float | None:
     return None if d is None else d["max"] - r["dufu_estimate_mib"]
 
 
-def memory_table(mem: dict, allocator: str) -> list[str]:
+def _before_train(r: dict, before: dict | None) -> float | None:
+    """The train-phase MiB above baseline of the same layout in an earlier results file (``--before``)."""
+    if not before:
+        return None
+    for b in before.get("memory", {}).get("rows", []):
+        if (b["kind"], b["dp"], b["zero_stage"], b.get("variant", ""), b["allocator"]) == (
+                "model", r["dp"], r["zero_stage"], r.get("variant", ""), r["allocator"]):
+            d = b.get("train_minus_baseline_mib")
+            return None if d is None else d["max"]
+    return None
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}x"
+
+
+def memory_table(mem: dict, allocator: str, before: dict | None = None) -> list[str]:
     body = []
     for r in _model_rows(mem, allocator):
         if r.get("returncode") != 0:
-            body.append([_layout_name(r), "failed"] + ["-"] * 9)
+            body.append([_layout_name(r), "failed"] + ["-"] * (13 if before else 12))
             continue
-        body.append([_layout_name(r), f"{r['parameters'] / 1e6:.1f}M", fmt(r["theory_mib"]),
-                     fmt(r["dufu_estimate_mib"]), fmt(r["peak_mib_max_rank"]),
-                     fmt(r.get("baseline_peak_mib_max_rank")), _diff(r, "peak"), _diff(r, "build"),
-                     _diff(r, "train"), fmt(_train_excess(r), "+,.0f"), _diff(r, "checkpoint")])
-    return table(["layout", "params", "theory: model states", "dufu mechanism estimate", "peak RSS",
-                  "baseline peak RSS", "peak - baseline", "build - baseline", "train - baseline",
-                  "train - baseline - estimate", "checkpoint - baseline"], body)
+        train = r.get("train_minus_baseline_mib", {}).get("max")
+        row = [_layout_name(r), f"{r['parameters'] / 1e6:.1f}M", fmt(r["theory_mib"]),
+               fmt(r.get("zero_figure_mib")), fmt(r["dufu_estimate_mib"]), fmt(r["peak_mib_max_rank"]),
+               fmt(r.get("baseline_peak_mib_max_rank")), _diff(r, "peak"), _diff(r, "build")]
+        if before:
+            row.append(fmt(_before_train(r, before)))
+        row += [_diff(r, "train"), _ratio(train, r["theory_mib"]), _ratio(train, r.get("zero_figure_mib")),
+                fmt(_train_excess(r), "+,.0f"), _diff(r, "checkpoint")]
+        body.append(row)
+    head = ["layout", "params", "ZeRO: model states", "ZeRO: + one unit's working set", "dufu mechanism estimate",
+            "peak RSS", "baseline peak RSS", "peak - baseline", "build - baseline"]
+    if before:
+        head.append(f"train - baseline, before ({before['machine']['dufu_commit']})")
+    head += ["train - baseline", "train / model states", "train / (model states + unit)",
+             "train - baseline - estimate", "checkpoint - baseline"]
+    return table(head, body)
 
 
 def _span(d: dict | None, spec: str = ",.0f") -> str:
@@ -764,23 +836,31 @@ def report(results: dict) -> str:
         mem = results["memory"]
         c = mem["parameters"]
         lines += ["", "## Memory per rank, ZeRO stages", "",
-                  f"`gpt_debug` with {mem['model']}: {c['total']:,} parameters ({c['root']:,} in the root unit: "
-                  f"embeddings, tied head, final norm; {c['per_block']:,} per block); {mem['steps']} steps, "
+                  f"`gpt_debug` with {mem['model']}: {c['total']:,} parameters ({c['per_block']:,} per block; "
+                  f"FSDP units besides the blocks: embedding tables {c.get('embedding_unit', c['root']):,}, final "
+                  f"norm + head {c.get('head_unit', c['root']):,}, the head tied to the embedding); {mem['steps']} steps, "
                   f"micro-batch {mem['micro_batch_size']} x sequence {mem['seq_length']}, fp32, AdamW. All values "
                   "MiB per rank, the largest rank; where ranks differ by 5 MiB or more, the smallest follows in "
                   "parentheses. Peak RSS is measured per worker process (`benchmarks/_worker.py`); baseline = the "
                   "same layout with a 1-layer, hidden-64 model (Python, torch, gloo, data). Phases: build = "
                   f"`Trainer.__init__` (data, {_build_how(mem)}, process group, sharding), train = the "
                   "steps, checkpoint = the final save.", "",
-                  "*theory* = the ZeRO paper's model states: 4 B parameters + 4 B gradients + 8 B AdamW moments "
-                  "per parameter; ZeRO-1 shards the moments over dp, ZeRO-2 also the gradients, ZeRO-3 also the "
-                  "parameters. *dufu mechanism estimate* = ZeRO off (`replicate`): 16 B/param; ZeRO-1 and ZeRO-2, "
-                  "both FSDP2 with `reshard_after_forward=False`: gathered parameters (4 B) kept from forward "
-                  "until each block's backward + own shards of parameters, moments and gradients (12/dp B) = "
-                  "4 + 12/dp B/param; ZeRO-3: 16/dp B/param + 4 B per root-unit parameter (the root is not "
-                  "resharded after forward).", "",
+                  "*ZeRO: model states* = the ZeRO paper's model states (Rajbhandari et al. 2020): 4 B parameters "
+                  "+ 4 B gradients + 8 B AdamW moments per parameter; ZeRO-1 shards the moments over dp, ZeRO-2 "
+                  "also the gradients, ZeRO-3 also the parameters. *+ one unit's working set* = that + what a "
+                  "rank holds beyond its shards while one FSDP unit is in backward (the paper's temporary "
+                  "buffers): a block's gathered parameters, its full-size gradient and the next block gathered "
+                  f"ahead (12 B x {c['per_block']:,} parameters), or at the end the embedding's full-size "
+                  "gradient and its reduce-scatter buffer (8 B per parameter), whichever is larger: "
+                  f"{working_set_bytes(c) / MiB:,.0f} MiB. *dufu mechanism estimate* = ZeRO off (`replicate`): "
+                  "16 B/param; ZeRO-3: the ZeRO figure + the tied head's sharded copy of the embedding "
+                  f"({c.get('tied_copy', 0):,} parameters, 4/dp B each); ZeRO-1 and ZeRO-2 (one mechanism, "
+                  "stage 1 with stage-2 sharding; blocks and root units): the larger of the ZeRO figure and the "
+                  "start of backward, 12/dp B/param of shards + every block and the root (embeddings, head, "
+                  "final norm) gathered + the head's full gradient (4 B each). Activations (micro-batch 1 x 64 tokens: about 3 MiB per block) are not in any figure "
+                  "and appear in the last column.", "",
                   "### glibc malloc with `MALLOC_MMAP_THRESHOLD_=65536` (RSS follows live tensors)", ""]
-        lines += memory_table(mem, "mmap64k")
+        lines += memory_table(mem, "mmap64k", results.get("before"))
         if _model_rows(mem, "default"):
             lines += ["", "### The same layouts with glibc's default malloc", ""]
             lines += allocator_table(mem)
@@ -864,15 +944,32 @@ def run_observations(results: dict) -> list[str]:
     fixed = {(r["dp"], r["zero_stage"], r.get("variant", "")): r for r in _model_rows(mem, "mmap64k")
              if "train_minus_baseline_mib" in r}
     train = {k: r["train_minus_baseline_mib"]["max"] for k, r in fixed.items()}
-    root_mib = 4.0 * mem["parameters"]["root"] / MiB
     full_mib = 4.0 * mem["parameters"]["total"] / MiB
     pairs = [f"dp{dp} {train[(dp, 1, '')]:,.0f} and {train[(dp, 2, '')]:,.0f}" for dp in sorted({k[0] for k in train})
              if (dp, 1, "") in train and (dp, 2, "") in train]
     if pairs:
         obs.append(f"ZeRO-1 and ZeRO-2 measure the same ({'; '.join(pairs)} MiB in training): one mechanism "
-                   "(FSDP2, gradients always reduce-scattered), as `dufu/parallel/data_parallel.py` says. Its "
-                   "estimate is the paper's ZeRO-2 number, below the ZeRO-1 number, but not lower: the gathered "
-                   "parameters stay from forward until backward.")
+                   "(FSDP2 always reduce-scatters gradients; stage 1 runs with stage-2 sharding, as "
+                   "`dufu/parallel/data_parallel.py` says), below the paper's ZeRO-1 figure, above its ZeRO-2 "
+                   "figure: the blocks' gathered parameters stay from forward until their backward.")
+    z3 = [(dp, fixed[(dp, 3, "")]) for dp in sorted({k[0] for k in fixed}) if (dp, 3, "") in fixed]
+    if z3:
+        obs.append("ZeRO-3 training peak above baseline: " + "; ".join(
+            f"dp{dp} {train[(dp, 3, '')]:,.0f} MiB = {train[(dp, 3, '')] / r['theory_mib']:.2f}x the model states "
+            f"({r['theory_mib']:,.0f}), {train[(dp, 3, '')] / r['zero_figure_mib']:.2f}x the model states + one "
+            f"unit's working set ({r['zero_figure_mib']:,.0f}), {train[(dp, 3, '')] - r['dufu_estimate_mib']:+,.0f} "
+            f"MiB from the mechanism estimate ({r['dufu_estimate_mib']:,.0f})" for dp, r in z3) + ".")
+    before = results.get("before")
+    if before:
+        changes = []
+        for k, r in fixed.items():
+            b = _before_train(r, before)
+            if b is not None and k[1]:
+                changes.append(f"{_layout_name(r)} {b:,.0f} -> {train[k]:,.0f}")
+        if changes:
+            obs.append(f"Train phase above baseline, before ({before['machine']['dufu_commit']}, run "
+                       f"{before.get('date', '?')} on {before['machine']['cpu']}) -> now: " + "; ".join(changes)
+                       + " MiB.")
     drops = []
     for stage in (0, 1, 2, 3):
         if (2, stage, "") in train and (4, stage, "") in train:
@@ -883,21 +980,21 @@ def run_observations(results: dict) -> list[str]:
     if drops:
         obs.append("The part that depends on dp follows the estimate: train-phase memory falls from dp2 to dp4 by "
                    + ", ".join(drops) + " MiB.")
+    for r in _model_rows(mem, "mmap64k"):
+        if r.get("rerun"):
+            obs.append(f"{_layout_name(r)}: {r['rerun']}.")
     excess = {k: _train_excess(r) for k, r in fixed.items()}
-    dist_excess = [v for k, v in excess.items() if k[0] > 1 and v is not None]
+    zero_excess = [v for k, v in excess.items() if k[0] > 1 and k[1] and v is not None]
     if (1, 0, "") in excess and (1, 0, "untied") in excess:
         obs.append(
             f"Above the estimate: one process holds {excess[(1, 0, '')]:+,.0f} MiB with the tied embedding/head "
             f"and {excess[(1, 0, 'untied')]:+,.0f} MiB untied. The tied weight's two gradients (embedding and "
-            f"head, {root_mib:,.0f} MiB each) are alive together while autograd sums them, so about "
-            f"{2 * root_mib:,.0f} MiB of the excess is transient gradient memory, not a leak."
-            + (f" The distributed layouts add {min(dist_excess):+,.0f} to {max(dist_excess):+,.0f} MiB in all, "
-               "the rest most likely the full-size gradients of the unit being reduced (root unit "
-               f"{root_mib:,.0f} MiB, a block {4 * mem['parameters']['per_block'] / MiB:,.0f} MiB) and, under "
-               "ZeRO-3, the gathered block." if dist_excess else ""))
-    elif dist_excess:
-        obs.append(f"Above the estimate: {min(dist_excess):+,.0f} to {max(dist_excess):+,.0f} MiB per rank "
-                   "(transient full-size gradients of the tied embedding/head and of the unit being reduced).")
+            f"head, {4 * mem['parameters'].get('tied_copy', 0) / MiB:,.0f} MiB each) are alive together while "
+            "autograd sums them: transient gradient memory, not a leak.")
+    if zero_excess:
+        obs.append(f"The ZeRO layouts measure {min(zero_excess):+,.0f} to {max(zero_excess):+,.0f} MiB from their "
+                   "mechanism estimates (gloo's staging buffers, autograd's saved activations and allocator "
+                   "rounding are not in the estimate).")
     builds = {k: r["build_minus_baseline_mib"]["max"] for k, r in fixed.items() if r["dp"] > 1}
     if builds:
         name = lambda k: f"dp{k[0]} " + (f"ZeRO-{k[1]}" if k[1] else "ZeRO off")  # noqa: E731
@@ -1006,6 +1103,13 @@ def init_observations(init: dict | None) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- main
+def load_before(path: Path) -> dict:
+    """What the report uses of an earlier results file: its date, machine and memory rows (without ranks)."""
+    old = json.loads(path.read_text())
+    rows = [{k: v for k, v in r.items() if k != "ranks"} for r in old.get("memory", {}).get("rows", [])]
+    return {"date": old.get("date"), "machine": old["machine"], "memory": {"rows": rows}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--quick", action="store_true",
@@ -1020,6 +1124,10 @@ def main(argv=None) -> int:
     ap.add_argument("--work-dir", default=None, help="keep run directories and the dufu cache here")
     ap.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS of every throughput process (default 1)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds before one run is stopped")
+    ap.add_argument("--memory-model", metavar="KEY=VALUE", action="append", default=[],
+                    help="change the memory model (repeatable), e.g. fused_loss=False")
+    ap.add_argument("--before", metavar="PATH", help="an earlier results .json (e.g. this script on the previous code): "
+                                                     "its train-phase memory goes next to this run's")
     ap.add_argument("--from-json", metavar="PATH", help="only re-render the .md report (and print it) from a results "
                                                         ".json written by this script")
     args = ap.parse_args(argv)
@@ -1028,6 +1136,8 @@ def main(argv=None) -> int:
         results = json.loads(path.read_text())
         if "init" in results:
             rederive_init(results["init"])
+        if "memory" in results and "embedding_unit" in results["memory"]["parameters"]:
+            derive_memory_figures(results["memory"])
         results["observations"] = observations(results)
         text = report(results)
         path.write_text(json.dumps(results, indent=1) + "\n")
@@ -1068,6 +1178,8 @@ def main(argv=None) -> int:
     date = _dt.date.today().isoformat()
     results: dict = {"date": date, "quick": args.quick, "machine": machine_info(), "load_avg_start": round(load0, 2),
                      "note": NOTE}
+    if args.before:
+        results["before"] = load_before(Path(args.before))
     try:
         if args.only in (None, "throughput"):
             results["throughput_setup"] = {
@@ -1082,8 +1194,11 @@ def main(argv=None) -> int:
                 jobs = memory_jobs([2], [0, 3], [], reference=False)
             else:
                 jobs = memory_jobs([2, 4], [0, 1, 2, 3], [(2, 0), (2, 3)], reference=True)
-            results["memory"] = memory_runs(jobs, QUICK_MEMORY_MODEL if args.quick else MEMORY_MODEL, work, cache,
-                                            args.timeout, progress)
+            model = dict(QUICK_MEMORY_MODEL if args.quick else MEMORY_MODEL)
+            for kv in args.memory_model:
+                key, _, value = kv.partition("=")
+                model[key] = value
+            results["memory"] = memory_runs(jobs, model, work, cache, args.timeout, progress)
         if args.only in (None, "init"):
             init_layouts = [l for l in INIT_LAYOUTS if not args.quick or l.key in QUICK_INIT_LAYOUTS]
             results["init"] = init_runs(init_layouts, QUICK_MEMORY_MODEL if args.quick else MEMORY_MODEL, work,

@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 
 from dufu.engine.flops import count_matmul_params, flops_per_token
 from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
+from dufu.parallel.data_parallel import describe_zero_stage
 from dufu.parallel.env import collective_device
 
 
@@ -25,7 +26,7 @@ def describe(trainer) -> str:
     """The start-up summary: model, layout, batch arithmetic, data, MFU basis, weights, output, notices."""
     t = trainer.cfg.train
     amp = trainer.precision.name
-    zero = f", ZeRO stage {t.zero_optimization.stage}" if t.zero_optimization.enabled else ""
+    zero = f", {describe_zero_stage(t.zero_optimization.stage)}" if t.zero_optimization.enabled else ""
     extras = []
     if t.dist.get("sequence_parallel"):
         extras.append("sequence parallel")

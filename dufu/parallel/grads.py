@@ -19,16 +19,14 @@ from dufu.parallel import env
 
 
 def tied_parameters(modules) -> tuple[list, list]:
-    """(copies, all tied) parameters of pipeline stage modules, looked up by name *after* parallelization
-    (TP and FSDP replace parameter objects, so they cannot carry flags)."""
-    copies, tied = [], []
+    """(copies, all tied) parameters of the model parts, looked up by name *after* parallelization
+    (TP and FSDP replace parameter objects, so they cannot carry flags). Sources come before copies."""
+    copies, sources = [], []
     for m in modules:
         for name, role in getattr(m, "tied_parameter_role", {}).items():
             p = m.get_parameter(name)
-            tied.append(p)
-            if role == "copy":
-                copies.append(p)
-    return copies, tied
+            (copies if role == "copy" else sources).append(p)
+    return copies, sources + copies
 
 
 def _unique_grads(parameters) -> list[torch.Tensor]:
@@ -106,8 +104,15 @@ def clip_grad_norm_(parameters, max_norm: float | None, pp_group=None, skip=(), 
 
 
 def sync_tied_gradients(tied, group) -> None:
-    """Sum the gradients of a tied parameter held on two pipeline stages (Megatron's embedding group)."""
+    """Sum the gradients of a tied parameter's copies.
+
+    With a ``group`` the copies live on two pipeline stages (Megatron's embedding group): each rank's
+    gradient becomes the sum over the group. Without one, every tied parameter is on this rank (a head that
+    holds a sharded copy of the embedding in its own FSDP unit, :mod:`dufu.parallel.data_parallel`): the
+    first (the source, see :func:`tied_parameters`) gets the sum of all their gradients and the copies'
+    gradients are dropped, so the optimizer updates the source only and the copy follows its values."""
     if group is None:
+        _sum_into_source(list(tied))
         return
     for p in tied:
         if p.grad is None:
@@ -121,3 +126,26 @@ def sync_tied_gradients(tied, group) -> None:
         else:
             g = p.grad
         dist.all_reduce(g, op=dist.ReduceOp.SUM, group=group)
+
+
+@torch.no_grad()
+def _sum_into_source(tied: list) -> None:
+    if len(tied) < 2:
+        return
+    source, copies = tied[0], tied[1:]
+    for c in copies:
+        if c.grad is None:
+            continue
+        if source.grad is None:
+            source.grad = c.grad
+        elif isinstance(c.grad, DTensor):
+            if (c.grad.device_mesh, c.grad.placements, c.grad.shape) != (
+                    source.grad.device_mesh, source.grad.placements, source.grad.shape):
+                raise RuntimeError(
+                    f"a tied copy's gradient {tuple(c.grad.shape)} {c.grad.placements} is laid out unlike its "
+                    f"source's {tuple(source.grad.shape)} {source.grad.placements}; the shards cannot be added "
+                    "locally. Both must be sharded alike (dufu.parallel.data_parallel makes them so).")
+            source.grad.to_local().add_(c.grad.to_local())
+        else:
+            source.grad.add_(c.grad)
+        c.grad = None

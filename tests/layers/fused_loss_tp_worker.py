@@ -82,7 +82,9 @@ def main(out: Path) -> None:
         passed.append(name)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"ok_{rank}").write_text(" ".join(passed))
-    dist.destroy_process_group()
+    from dufu.parallel.launch import finish_distributed
+
+    finish_distributed()  # not destroy_process_group: its gloo teardown can abort a finished rank
 
 
 if __name__ == "__main__":

@@ -50,7 +50,9 @@ def _tp_worker(workdir: str) -> None:
         hidden = model(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state
     if dist.get_rank() == 0:
         torch.save({"hidden": hidden, "local_q_shape": tuple(local)}, Path(workdir) / "tp_out.pt")
-    dist.destroy_process_group()
+    from dufu.parallel.launch import finish_distributed
+
+    finish_distributed()  # not destroy_process_group: its gloo teardown can abort a finished rank
 
 
 if __name__ == "__main__":

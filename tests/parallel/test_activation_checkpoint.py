@@ -229,7 +229,9 @@ def worker(out: Path, layout: str, mode: str, compiled: bool = False) -> None:
            "max_grad_diff": max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()),
            "checkpointed_blocks": sum(checkpoint_mode(b) == mode for b in model.blocks.values())}
     Path(out, f"rank_{rank}.json").write_text(json.dumps(err))
-    dist.destroy_process_group()
+    from dufu.parallel.launch import finish_distributed
+
+    finish_distributed()  # not destroy_process_group: its gloo teardown can abort a finished rank
 
 
 if __name__ == "__main__":
