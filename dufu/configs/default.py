@@ -1,5 +1,6 @@
 # The default recipe (`dufu train` with no config): a small GPT on the built-in corpus,
-# about a minute and a half on two CPU cores, ending with a few generated samples. 400 steps (8 passes over
+# one to two and a half minutes on two CPU cores (the fast dtype of the CPU: benchmarks/default_run.py), ending
+# with a few generated samples. 400 steps (8 passes over
 # the 800 training samples of 128 tokens) end near the best held-out perplexity (~105); at 600 steps the model
 # overfits (validation perplexity back up to ~140).
 from .common.data.corpus import dataloader, tokenization
