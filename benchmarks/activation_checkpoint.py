@@ -33,7 +33,6 @@ import copy
 import datetime as _dt
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -47,6 +46,7 @@ sys.path.insert(0, str(REPO))
 
 from dufu.layers import TransformerLayer  # noqa: E402
 from dufu.parallel.activation_checkpoint import LiveActivations, apply_activation_checkpointing  # noqa: E402
+from _machine import machine_info  # the benchmarks' shared machine description (benchmarks/_machine.py)
 
 MODES = ("none", "selective", "full")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -196,19 +196,6 @@ def run_case(name: str, args, log) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------- reporting
-def machine_info() -> dict:
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return {"cpu": cpu, "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-            "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "python": platform.python_version(), "platform": platform.platform()}
 
 
 def markdown(result: dict) -> str:

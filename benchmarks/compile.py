@@ -37,7 +37,6 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -46,6 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+import _machine  # the benchmarks' shared machine description (benchmarks/_machine.py)
 
 REPO = Path(__file__).resolve().parents[1]
 STATES = ("off", "cold", "warm")
@@ -94,10 +94,10 @@ def run_steps(config: str, steps: int, overrides: list[str], dtype: str, state: 
             "train.amp.dtype=bf16", f"train.compile.enabled={state != 'off'}", "train.peak_tflops=1.0"]
     env = dict(os.environ, DUFU_CACHE_DIR=str(cache_dir), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
                PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(threads))
-    t0, b0 = time.perf_counter(), system_busy_seconds()
+    t0, b0 = time.perf_counter(), _machine.system_busy_seconds()
     proc = subprocess.run([sys.executable, __file__, "--worker", config, str(steps), *args], env=env, cwd=REPO,
                           capture_output=True, text=True)
-    wall, b1 = time.perf_counter() - t0, system_busy_seconds()
+    wall, b1 = time.perf_counter() - t0, _machine.system_busy_seconds()
     if proc.returncode != 0:
         raise SystemExit(f"worker failed ({config} {dtype} {state}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
     r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -115,14 +115,6 @@ def run_steps(config: str, steps: int, overrides: list[str], dtype: str, state: 
     return res
 
 
-def system_busy_seconds():
-    """CPU seconds all processes have been busy since boot (Linux /proc/stat), else None."""
-    try:
-        with open("/proc/stat") as f:
-            ticks = [int(v) for v in f.readline().split()[1:9]]
-    except OSError:
-        return None
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def run_one(config: str, overrides: list[str], dtype: str, state: str, workdir: Path, inductor_dir: Path,
@@ -162,20 +154,7 @@ def _dir_mb(path: Path) -> float:
 
 
 def machine_info() -> dict:
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    import torch
-
-    return {"cpu": cpu, "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-            "logical_cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "compiler": shutil.which("g++") or shutil.which("c++"), "platform": platform.platform()}
+    return _machine.machine_info(compiler=shutil.which("g++") or shutil.which("c++"))
 
 
 def summarise(step_rows: list[dict]) -> list[dict]:

@@ -44,13 +44,13 @@ import argparse
 import datetime as _dt
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+import _machine  # the benchmarks' shared machine description (benchmarks/_machine.py)
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = Path(__file__).resolve().parent
@@ -397,11 +397,11 @@ def run_worker(impl: str, args, amp: str, spec: dict, work: Path, tag: str, log,
     import resource
 
     launched = time.time()
-    busy0, ru0 = system_busy_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy0, ru0 = _machine.system_busy_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
     proc = subprocess.run(cmd, env=env, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
-    busy1, ru1 = system_busy_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy1, ru1 = _machine.system_busy_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
     own = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
     if proc.returncode != 0 or not out.exists():
         raise SystemExit(f"{impl} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
@@ -432,15 +432,6 @@ def run_worker(impl: str, args, amp: str, spec: dict, work: Path, tag: str, log,
     return rec
 
 
-def system_busy_seconds() -> float | None:
-    """CPU seconds all processes have been busy since boot, summed over CPUs (Linux ``/proc/stat``), else None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-    except OSError:
-        return None
-    ticks = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def phases_of(rec: dict) -> dict:
@@ -533,23 +524,9 @@ def _s(v) -> str:
 
 
 def machine_info() -> dict:
-    import torch
-
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
     import transformers
 
-    return {"cpu": cpu, "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-            "logical_cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "python": platform.python_version(),
-            "platform": platform.platform()}
+    return _machine.machine_info(transformers=transformers.__version__)
 
 
 def measured_peaks() -> dict:

@@ -38,12 +38,10 @@ Results go to ``benchmarks/results/fused_loss-<YYYY-MM-DD>.json`` and ``.md``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import gc
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -57,6 +55,7 @@ sys.path.insert(0, str(REPO))
 
 from dufu.layers.loss import cross_entropy_loss, fused_chunk_size, fused_linear_cross_entropy  # noqa: E402
 from dufu.models.gpt import GPTModel  # noqa: E402
+from _machine import machine_info, system_busy_seconds  # the benchmarks' shared machine description (benchmarks/_machine.py)
 
 SHAPES = {
     "default": dict(hidden=256, vocab=2048, batch=16, seq=128, layers=4, heads=4),
@@ -112,15 +111,6 @@ class Case:
         return loss.item()
 
 
-def system_busy_seconds() -> float | None:
-    """CPU seconds all processes have been busy since boot, summed over CPUs (Linux ``/proc/stat``), else None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-    except OSError:
-        return None
-    ticks = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def timed(case: Case) -> dict:
@@ -219,23 +209,6 @@ def probe_in_subprocess(shape_name: str, dtype: str, kind: str, variant: str, qu
 
 
 # ----------------------------------------------------------------------------- reporting
-def machine_info() -> dict:
-    cpu, flags = platform.processor() or platform.machine(), set()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    return {
-        "cpu": cpu,
-        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-        "logical_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
 
 
 def mib(b: float) -> str:

@@ -43,7 +43,6 @@ import argparse  # noqa: E402
 import datetime as _dt  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
-import platform  # noqa: E402
 import re  # noqa: E402
 import resource  # noqa: E402
 import shutil  # noqa: E402
@@ -52,6 +51,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 from pathlib import Path  # noqa: E402
+import _machine  # the benchmarks' shared machine description (benchmarks/_machine.py)
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "benchmarks" / "results"
@@ -297,22 +297,12 @@ def importtime_breakdown(code: Path | None, cache: Path, work: Path, case: dict)
 
 
 def machine_info() -> dict:
-    cpu, flags = platform.machine(), set()
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            cpu = line.split(":", 1)[1].strip()
-        elif line.startswith("flags"):
-            flags = set(line.split(":", 1)[1].split())
-    import torch
-
     def git(*a):
         return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
 
     commit = git("rev-parse", "--short", "HEAD") + (" (+ uncommitted changes in dufu/)"
                                                       if git("status", "--porcelain", "--", "dufu") else "")
-    return {"cpu": cpu, "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-            "logical_cpus": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version(),
-            "platform": platform.platform(), "dufu_commit": commit}
+    return _machine.machine_info(dufu_commit=commit)
 
 
 CASES = [

@@ -54,7 +54,6 @@ import datetime as _dt
 import gc
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -77,6 +76,7 @@ from dufu.data.tokenizer import BYTE_VOCAB_SIZE
 from dufu.engine.flops import count_matmul_params, device_peak_flops, flops_per_token
 from dufu.engine.batch import to_model_inputs
 from dufu.engine.trainer import Trainer
+import _machine  # the benchmarks' shared machine description (benchmarks/_machine.py)
 
 IMPLS = ("dufu", "plain", "hf")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -294,15 +294,6 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def system_busy_seconds() -> float | None:
-    """CPU seconds all processes have been busy since boot, summed over CPUs (Linux ``/proc/stat``), else None."""
-    try:
-        with open("/proc/stat") as f:
-            fields = f.readline().split()[1:]
-    except OSError:
-        return None
-    ticks = [int(v) for v in fields[:8]]  # user nice system idle iowait irq softirq steal
-    return (sum(ticks) - ticks[3] - ticks[4]) / os.sysconf("SC_CLK_TCK")
 
 
 def timed(runner) -> dict:
@@ -312,10 +303,10 @@ def timed(runner) -> dict:
     ``others_cpu_s / (wall_s * cpu_count)`` is the share of the machine that was not ours.
     """
     sync(runner.device)
-    b0, t0, c0 = system_busy_seconds(), time.perf_counter(), time.process_time()
+    b0, t0, c0 = _machine.system_busy_seconds(), time.perf_counter(), time.process_time()
     loss = runner.step()
     sync(runner.device)
-    wall, cpu, b1 = time.perf_counter() - t0, time.process_time() - c0, system_busy_seconds()
+    wall, cpu, b1 = time.perf_counter() - t0, time.process_time() - c0, _machine.system_busy_seconds()
     others = max(0.0, (b1 - b0) - cpu) if b0 is not None and b1 is not None else None
     return {"wall": wall, "cpu": cpu, "others": others, "loss": loss}
 
@@ -603,31 +594,13 @@ def warm_up_cpu(seconds: float = 1.0) -> None:
 
 # ----------------------------------------------------------------------------- reporting
 def machine_info() -> dict:
-    cpu, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-            elif line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
     try:
         import transformers
 
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
-    return {
-        "cpu": cpu,
-        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-        "logical_cpus": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "transformers": tf_version,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-    }
+    return _machine.machine_info(transformers=tf_version)
 
 
 def table(phases: list[dict]) -> str:
