@@ -89,23 +89,30 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _best_matmul_flops(dtypes, device: torch.device, size: int, seconds: float) -> dict:
+    """Best observed FLOP/s of a (size x size) @ (size x size) matmul in each of ``dtypes``, one matmul of each
+    dtype in turn (so a load that shares the cores slows them alike), until ``seconds`` have passed."""
+    pairs = {dtype: (torch.randn(size, size, device=device).to(dtype), torch.randn(size, size, device=device).to(dtype))
+             for dtype in dtypes}
+    for a, b in pairs.values():
+        torch.matmul(a, b)  # warm-up (kernel selection, oneDNN/AMX init)
+    best = dict.fromkeys(dtypes, 0.0)
+    deadline = time.perf_counter() + seconds
+    while time.perf_counter() < deadline or min(best.values()) == 0.0:
+        for dtype, (a, b) in pairs.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            torch.matmul(a, b)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            best[dtype] = max(best[dtype], 2.0 * size**3 / (time.perf_counter() - t0))
+    return best
+
+
 def measure_matmul_flops(dtype: torch.dtype, device: torch.device, size: int = 2048, seconds: float = 0.6) -> float:
     """Best observed FLOP/s of a (size x size) @ (size x size) matmul."""
-    a = torch.randn(size, size, device=device).to(dtype)
-    b = torch.randn(size, size, device=device).to(dtype)
-    flop = 2.0 * size**3
-    best = 0.0
-    torch.matmul(a, b)  # warm-up (kernel selection, oneDNN/AMX init)
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline:
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        best = max(best, flop / (time.perf_counter() - t0))
-    return best
+    return _best_matmul_flops((dtype,), device, size, seconds)[dtype]
 
 
 def _data_sheet(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:
@@ -128,21 +135,7 @@ def matmul_speeds(device: torch.device, dtypes, size: int = 2048, seconds: float
     sheet = {dtype: _data_sheet(device, dtype) for dtype in dtypes}
     if all(sheet.values()):
         return {dtype: sheet[dtype][0] for dtype in dtypes}
-    pairs = {dtype: (torch.randn(size, size, device=device).to(dtype), torch.randn(size, size, device=device).to(dtype))
-             for dtype in dtypes}
-    for a, b in pairs.values():
-        torch.matmul(a, b)  # warm-up (kernel selection, oneDNN/AMX init)
-    best = dict.fromkeys(dtypes, 0.0)
-    deadline = time.perf_counter() + seconds
-    while time.perf_counter() < deadline or min(best.values()) == 0.0:
-        for dtype, (a, b) in pairs.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best[dtype] = max(best[dtype], 2.0 * size**3 / (time.perf_counter() - t0))
+    best = _best_matmul_flops(dtypes, device, size, seconds)
     for dtype, flops in best.items():
         device_peak_flops(device, dtype, measured=flops)
     return best
