@@ -242,7 +242,7 @@ class Trainer:
         every forward."""
         t = self.cfg.train
         if (self.amp_dtype is None or num_micro_batches < 2 or not t.amp.get("cache_weight_casts", True)
-                or self.dims.dp_enabled or t.zero_optimization.enabled):
+                or self.dims.dp_enabled):  # (ZeRO needs data parallelism: validate_layout)
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, enabled=False)
 
