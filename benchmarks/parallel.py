@@ -39,7 +39,8 @@ peak - baseline per rank (the larger of the ranks) next to
   full-size gradient and the next block's parameters (gathered one unit ahead), 12 B per block parameter,
   and at the end of backward the embedding's full-size gradient and the reduce-scatter buffer it is copied
   into, 8 B per parameter; the larger of the two. Activations (micro-batch 1 x sequence 64: about 3 MiB per
-  block at the start of backward) are in no figure;
+  block at the start of backward) are in neither; a third figure adds them as measured: the 1-process run's
+  training peak above baseline minus its model states (every dp rank holds its own micro-batch's);
 * what dufu's mechanism should hold at its peak (``dufu/parallel/data_parallel.py``). ZeRO-3: FSDP units are
   the blocks, the embedding tables (freed after forward, never gathered in backward) and the final norm +
   head (gathered from its forward to its backward); a tied head holds a sharded copy of the embedding (4/dp
@@ -384,6 +385,15 @@ def derive_memory_figures(mem: dict) -> None:
         states = theory_bytes(c["total"], r["zero_stage"], r["dp"])
         r.update(theory_mib=states / MiB, dufu_estimate_mib=dufu_estimate_bytes(c, r["zero_stage"], r["dp"]) / MiB,
                  zero_figure_mib=(states + working_set_bytes(c)) / MiB if r["zero_stage"] else None)
+    # The paper's figure counts model states only; activations are its "residual states", and every rank holds
+    # those of its own micro-batch whatever the ZeRO stage. Measured, not modelled: the 1-process run's training
+    # peak above baseline minus its model states (same micro-batch, same sequence as every dp rank here).
+    one = next((r for r in mem["rows"] if r["kind"] == "model" and r["dp"] == 1 and not r.get("variant")
+                and r.get("allocator", "mmap64k") == "mmap64k" and "train_minus_baseline_mib" in r), None)
+    mem["activations_mib"] = (one["train_minus_baseline_mib"]["max"] - one["theory_mib"]) if one else None
+    for r in mem["rows"]:
+        if r["kind"] == "model" and r.get("zero_figure_mib") is not None and mem["activations_mib"] is not None:
+            r["zero_figure_activations_mib"] = r["zero_figure_mib"] + mem["activations_mib"]
 
 
 def read_ranks(mem_dir: Path, nproc: int) -> list[dict] | None:
@@ -394,12 +404,13 @@ def read_ranks(mem_dir: Path, nproc: int) -> list[dict] | None:
 
 
 def worker_job(label: str, nproc: int, global_batch: int, model: dict, overrides: list[str], allocator: str,
-               work: Path, cache: Path, timeout: float) -> tuple[Run, list[dict] | None]:
-    """One memory-recording training run (``_worker.py`` under torchrun), micro-batch 1; every rank's record."""
+               work: Path, cache: Path, timeout: float, steps: int = MEMORY_STEPS) -> tuple[Run, list[dict] | None]:
+    """One memory-recording training run (``_worker.py`` under torchrun), micro-batch 1, ``steps`` steps; every
+    rank's record. The run's ``metrics.jsonl`` stays in ``<work>/memory/<label>/run``."""
     out = work / "memory" / label
     mem_dir = out / "mem"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
-           "train", "gpt_debug", f"train.output_dir={out / 'run'}", *COMMON, f"train.train_iter={MEMORY_STEPS}",
+           "train", "gpt_debug", f"train.output_dir={out / 'run'}", *COMMON, f"train.train_iter={steps}",
            "train.train_micro_batch_size=1", f"train.global_batch_size={global_batch}",
            "train.peak_tflops=1.0",  # skip the peak-FLOP/s matmul measurement (3 x 16 MiB of buffers)
            *model_overrides(model, MEMORY_SEQ), *overrides]
@@ -695,7 +706,7 @@ def memory_table(mem: dict, allocator: str, before: dict | None = None) -> list[
     body = []
     for r in _model_rows(mem, allocator):
         if r.get("returncode") != 0:
-            body.append([_layout_name(r), "failed"] + ["-"] * (13 if before else 12))
+            body.append([_layout_name(r), "failed"] + ["-"] * (14 if before else 13))
             continue
         train = r.get("train_minus_baseline_mib", {}).get("max")
         row = [_layout_name(r), f"{r['parameters'] / 1e6:.1f}M", fmt(r["theory_mib"]),
@@ -704,14 +715,15 @@ def memory_table(mem: dict, allocator: str, before: dict | None = None) -> list[
         if before:
             row.append(fmt(_before_train(r, before)))
         row += [_diff(r, "train"), _ratio(train, r["theory_mib"]), _ratio(train, r.get("zero_figure_mib")),
-                fmt(_train_excess(r), "+,.0f"), _diff(r, "checkpoint")]
+                _ratio(train, r.get("zero_figure_activations_mib")), fmt(_train_excess(r), "+,.0f"),
+                _diff(r, "checkpoint")]
         body.append(row)
     head = ["layout", "params", "ZeRO: model states", "ZeRO: + one unit's working set", "dufu mechanism estimate",
             "peak RSS", "baseline peak RSS", "peak - baseline", "build - baseline"]
     if before:
         head.append(f"train - baseline, before ({before['machine']['dufu_commit']})")
     head += ["train - baseline", "train / model states", "train / (model states + unit)",
-             "train - baseline - estimate", "checkpoint - baseline"]
+             "train / (model states + unit + activations)", "train - baseline - estimate", "checkpoint - baseline"]
     return table(head, body)
 
 
@@ -857,8 +869,11 @@ def report(results: dict) -> str:
                   f"({c.get('tied_copy', 0):,} parameters, 4/dp B each); ZeRO-1 and ZeRO-2 (one mechanism, "
                   "stage 1 with stage-2 sharding; blocks and root units): the larger of the ZeRO figure and the "
                   "start of backward, 12/dp B/param of shards + every block and the root (embeddings, head, "
-                  "final norm) gathered + the head's full gradient (4 B each). Activations (micro-batch 1 x 64 tokens: about 3 MiB per block) are not in any figure "
-                  "and appear in the last column.", "",
+                  "final norm) gathered + the head's full gradient (4 B each). Activations (micro-batch 1 x 64 tokens: about 3 MiB per block) are not in these figures "
+                  "and appear in the last column. *+ activations* = the model states + one unit's working set + "
+                  "the activations as the 1-process run measures them (its training peak above baseline minus "
+                  "its model states" + (f": {mem['activations_mib']:,.0f} MiB" if mem.get("activations_mib")
+                                         is not None else "") + ").", "",
                   "### glibc malloc with `MALLOC_MMAP_THRESHOLD_=65536` (RSS follows live tensors)", ""]
         lines += memory_table(mem, "mmap64k", results.get("before"))
         if _model_rows(mem, "default"):
@@ -957,8 +972,17 @@ def run_observations(results: dict) -> list[str]:
         obs.append("ZeRO-3 training peak above baseline: " + "; ".join(
             f"dp{dp} {train[(dp, 3, '')]:,.0f} MiB = {train[(dp, 3, '')] / r['theory_mib']:.2f}x the model states "
             f"({r['theory_mib']:,.0f}), {train[(dp, 3, '')] / r['zero_figure_mib']:.2f}x the model states + one "
-            f"unit's working set ({r['zero_figure_mib']:,.0f}), {train[(dp, 3, '')] - r['dufu_estimate_mib']:+,.0f} "
+            f"unit's working set ({r['zero_figure_mib']:,.0f})"
+            + (f", {train[(dp, 3, '')] / r['zero_figure_activations_mib']:.2f}x that + the activations "
+               f"({r['zero_figure_activations_mib']:,.0f})" if r.get("zero_figure_activations_mib") else "")
+            + f", {train[(dp, 3, '')] - r['dufu_estimate_mib']:+,.0f} "
             f"MiB from the mechanism estimate ({r['dufu_estimate_mib']:,.0f})" for dp, r in z3) + ".")
+        if mem.get("activations_mib") is not None:
+            obs.append(f"Activations: the 1-process run holds {mem['activations_mib']:,.0f} MiB above its model "
+                       "states at its training peak (saved activations of micro-batch 1, the fp32 logits); every "
+                       "dp rank holds as much, whatever the ZeRO stage, so a figure of model states alone cannot "
+                       "be met as dp grows (at dp 8 they would be half of a rank's model states here). The "
+                       "ratio to model states + unit + activations is the one that stays meaningful.")
     before = results.get("before")
     if before:
         changes = []
