@@ -98,17 +98,24 @@ MANIFEST = "manifest.json"
 # Optimizer state keyed by parameter name ("state.blocks.0.mlp.fc1.weight.exp_avg"), one entry per
 # parameter: the form that merges across pipeline stages and loads into any other layout.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+# A delta run (dufu.delta) saves and loads only what trains: the frozen base comes from its own source (the
+# pretrained weights or the seeded initialisation) every time the run starts. strict=False lets the frozen
+# parameters be absent from the loaded state dict; every key it does hold must be in the checkpoint (DCP).
+_DELTA_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
 def _as_list(x):
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
-def _state_dicts(model_parts, optimizers) -> tuple[dict, dict, list[tuple[set, set]]]:
+def _state_dicts(model_parts, optimizers, options=_OPTIONS) -> tuple[dict, dict, list[tuple[set, set]]]:
     """Merged model and optimizer state dicts of all parts, and each part's own key sets."""
     model_sd, optim_sd, keys = {}, {}, []
     for part, opt in zip(model_parts, optimizers):
-        msd, osd = get_state_dict(part, opt, options=_OPTIONS)
+        msd, osd = get_state_dict(part, opt, options=options)
+        if options.ignore_frozen_params:  # also a frozen parameter's tied alias (torch keeps it: a second name)
+            frozen = {n for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            msd = {k: v for k, v in msd.items() if k not in frozen}
         model_sd.update(msd)
         optim_sd.update(osd)
         keys.append((set(msd), set(osd)))
@@ -166,7 +173,20 @@ class Checkpointer:
         self.max_to_keep = max_to_keep
         self.rank = rank
         self.async_save = async_save
+        self.options = _OPTIONS  # _DELTA_OPTIONS for a delta run: see set_delta_only
         self._pending = None  # (future, tmp, final, extra) of an asynchronous save not yet committed
+
+    @staticmethod
+    def read_meta(path: Path) -> dict:
+        """The manifest's metadata of checkpoint ``path`` (step, layout, ...), unverified; {} if unreadable."""
+        try:
+            return json.loads((Path(path) / MANIFEST).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def set_delta_only(self) -> None:
+        """Save and load only the trainable parameters and their optimizer state (a delta run)."""
+        self.options = _DELTA_OPTIONS
 
     # ---------------------------------------------------------------- listing
     def complete_checkpoints(self) -> list[tuple[int, Path]]:
@@ -199,7 +219,7 @@ class Checkpointer:
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         _barrier()
-        model_sd, optim_sd, _ = _state_dicts(_as_list(model), _as_list(optimizer))
+        model_sd, optim_sd, _ = _state_dicts(_as_list(model), _as_list(optimizer), self.options)
         torch.save(trainer_state, tmp / f"rank_{self.rank:05d}.pt")
         if config_text is not None and self.rank == 0:
             (tmp / "config.yaml").write_text(config_text)  # the checkpoint is self-describing
@@ -388,24 +408,27 @@ class Checkpointer:
         for group, old, new in renames:
             state[group][old] = state[group].pop(new)
 
-    def load_model(self, path: Path, model) -> None:
+    def load_model(self, path: Path, model, skip: frozenset = frozenset()) -> None:
         """Load only the model weights of checkpoint ``path`` into ``model`` (a part or a list of pipeline-stage
-        parts), in any layout: starting a run from another run's weights (``model.pretrained`` = a dufu run)."""
+        parts), in any layout: starting a run from another run's weights (``model.pretrained`` = a dufu run).
+        ``skip``: parameter names the checkpoint cannot hold (a delta added since), left as they are."""
         path = Path(path)
         self.verify_together(path)
         parts = _as_list(model)
-        sds = [get_model_state_dict(part, options=_OPTIONS) for part in parts]
+        sds = [{k: v for k, v in get_model_state_dict(part, options=_OPTIONS).items() if k not in skip}
+               for part in parts]
         state = {"model": {k: v for sd in sds for k, v in sd.items()}}
         self._load_sharded(path, parts, state)
         for part, sd in zip(parts, sds):
-            set_model_state_dict(part, {k: state["model"][k] for k in sd}, options=_OPTIONS)
+            set_model_state_dict(part, {k: state["model"][k] for k in sd},
+                                 options=_DELTA_OPTIONS if skip else _OPTIONS)
 
     def load(self, path: Path, model, optimizer) -> dict:
         """Load model and optimizer in place (resharding to the current layout); return this rank's trainer state."""
         path = Path(path)
         self.verify_together(path)
         parts, optims = _as_list(model), _as_list(optimizer)
-        model_sd, optim_sd, keys = _state_dicts(parts, optims)
+        model_sd, optim_sd, keys = _state_dicts(parts, optims, self.options)
         state = {"model": model_sd, "optim": optim_sd}
         self._load_sharded(path, parts, state)
         for part, opt, (mkeys, okeys) in zip(parts, optims, keys):
@@ -413,7 +436,7 @@ class Checkpointer:
                 part, opt,
                 model_state_dict={k: state["model"][k] for k in mkeys},
                 optim_state_dict={k: state["optim"][k] for k in okeys},
-                options=_OPTIONS,
+                options=self.options,
             )
         rank_file = path / f"rank_{self.rank:05d}.pt"
         if not rank_file.is_file():

@@ -80,8 +80,10 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
             "Classification class), or pipeline_parallel_size=1."
         )
     scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
+    # A delta run's checkpoints hold only the delta: its base is read from its source on every start.
+    base_from = None if getattr(model, "delta_info", None) is not None else resume_from
     return RunPlan(dims, batch_sizes, resume_from, tokenizer, train_ds, valid_ds, seq_length, model, stage_ids,
-                   pretrained_weights(model, resume_from), scheduler, [notice] if notice else [])
+                   pretrained_weights(model, base_from), scheduler, [notice] if notice else [])
 
 
 def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
@@ -132,6 +134,10 @@ def build_model(cfg, tokenizer, seq_length: int) -> nn.Module:
         if isinstance(e, DufuError):
             raise
         raise ConfigError(f"the model cannot be built from model.*: {e}. Fix those keys in the config.") from None
+    if cfg.get("delta") is not None:  # delta tuning: added to the single-device model, before any split
+        from dufu.delta import apply_delta
+
+        apply_delta(model, instantiate(cfg.delta))
     vocab = getattr(model, "vocab_size", None)
     if vocab is not None and tokenizer.vocab_size > vocab:
         raise ConfigError(

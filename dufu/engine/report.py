@@ -48,6 +48,7 @@ def describe(trainer) -> str:
         f"  compile      {trainer.compile.reason}",
         f"  MFU          {trainer.flops_per_token / 1e6:,.1f} MFLOP/token (6N + 12*L*H*T); peak {trainer.peak_source}",
         weights_line(trainer),
+        *([f"  delta        {trainer.delta.summary()}"] if getattr(trainer, "delta", None) else []),
         f"  output       {trainer.output_dir}",
         *(f"  notice       {n}" for n in trainer.notices),
     ])

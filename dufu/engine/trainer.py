@@ -30,6 +30,7 @@ from dufu.data import ResumableBatchSampler, collate
 from dufu.engine import diagnose, faults, report
 from dufu.engine.batch import count_loss_targets, local_scalar, to_model_inputs
 from dufu.engine.checkpoint import Checkpointer
+from dufu.errors import CheckpointError
 from dufu.engine.evaluation import evaluate
 from dufu.engine.generate import generate
 from dufu.engine.loss_scaler import DynamicLossScaler
@@ -65,6 +66,9 @@ class Trainer:
         self.checkpointer = Checkpointer(self.output_dir / "checkpoints", t.checkpointer.max_to_keep, self.rank,
                                          async_save=t.checkpointer.get("async_save", False))
         self.pretrained, self.scheduler_node = plan.pretrained, plan.scheduler
+        self.delta = getattr(plan.model, "delta_info", None)  # a delta run (dufu.delta): only the delta trains
+        if self.delta is not None:
+            self.checkpointer.set_delta_only()
         self.meta_init = t.get("meta_init", True) and supports_meta_init(plan.model)
         model = self._model_to_split(plan)
         self.model_name, self.main_input_name = type(model).__name__, getattr(model, "main_input_name", "input_ids")
@@ -128,8 +132,9 @@ class Trainer:
         parts = build_model_parts(
             model, self.mesh, self.device, stage_ids=stage_ids, meta_init=self.meta_init, seed=t.seed,
             pretrained=self.pretrained.source,
-            # A checkpoint loaded next (--resume, or a dufu run as model.pretrained) sets every parameter.
-            init_parameters=self.resume_from is None and self.pretrained.checkpoint is None,
+            # A checkpoint loaded next (--resume, or a dufu run as model.pretrained) sets every parameter; in a
+            # delta run it sets only the delta (resumed) or only the base (pretrained), so the rest is filled.
+            init_parameters=self.delta is not None or (self.resume_from is None and self.pretrained.checkpoint is None),
             virtual_pipeline_size=t.dist.get("virtual_pipeline_size", 1) or 1,
             pipeline_schedule=t.dist.get("pipeline_schedule", "1f1b"),
             num_microbatches=self.num_accumulation_steps, loss_fn=self._pipeline_loss,
@@ -141,7 +146,8 @@ class Trainer:
         )
         if self.pretrained.checkpoint is not None:  # each rank reads the chunks of its own shards (DCP)
             ckpt = self.pretrained.checkpoint
-            Checkpointer(ckpt.parent, rank=self.rank).load_model(ckpt, parts.modules)
+            Checkpointer(ckpt.parent, rank=self.rank).load_model(
+                ckpt, parts.modules, skip=frozenset(self.delta.added) if self.delta is not None else frozenset())
         return parts
 
     def _build_optimizer(self, part):
@@ -397,11 +403,30 @@ class Trainer:
     def save_checkpoint(self) -> Path:
         return self.checkpointer.save(
             self.step, self.model_parts, self.optimizers, self.trainer_state(),
-            extra_meta={"layout": self.dims.describe(), "global_batch_size": self.global_batch_size},
+            extra_meta={"layout": self.dims.describe(), "global_batch_size": self.global_batch_size,
+                        **({"delta": self.delta_base()} if self.delta is not None else {})},
             config_text=LazyConfig.to_yaml(self.cfg) if self.is_main else None,
         )
 
+    def delta_base(self) -> dict:
+        """The base of a delta run, recorded with each checkpoint (which holds only the delta)."""
+        from dufu.delta.base import base_fingerprint
+
+        if not hasattr(self, "_delta_base"):
+            self._delta_base = base_fingerprint(self.pretrained.path, self.cfg.train.seed, self.cfg.model)
+        return self._delta_base
+
     def load_checkpoint(self, path: Path) -> None:
+        if self.delta is not None:
+            saved = self.checkpointer.read_meta(path).get("delta")
+            if saved is None:
+                raise CheckpointError(f"{path} is not a checkpoint of a delta run (it holds a whole model); resume "
+                                      "it without the delta section, or start the delta run in a new output_dir")
+            if saved.get("fingerprint") != self.delta_base()["fingerprint"]:
+                raise CheckpointError(
+                    f"{path} holds a delta trained on another base ({saved.get('base') or 'a seeded initialisation'}"
+                    f"), not on this run's ({self.delta_base()['base'] or 'seeded initialisation, seed ' + str(self.cfg.train.seed)}). "
+                    "Set model.pretrained (and train.seed) to the base the delta was trained on.")
         state = self.checkpointer.load(path, self.model_parts, self.optimizers)
         self.step = int(state["step"])
         for sched in self.schedulers:

@@ -55,6 +55,9 @@ def build_model_parts(
     :func:`materialize_`). Under pipeline parallelism the parts run in a schedule whose last stage computes
     ``loss_fn(output, target)`` over ``num_microbatches`` micro-batches."""
     pp, pp_rank = (mesh.mesh.shape[0], mesh.get_coordinate()[0]) if mesh is not None else (1, 0)  # axes (pp, dp, tp)
+    # Frozen parameters (a delta run's base) stay frozen in every part, under every name: a pipeline stage's
+    # own copy of a tied head is a new parameter and must not train where its twin does not.
+    frozen = {n for n, p in model.named_parameters(remove_duplicate=False) if not p.requires_grad}
     if stage_ids is None:
         num_stages, parts = 1, {0: model}
     else:
@@ -71,6 +74,10 @@ def build_model_parts(
         parallelize(part, stage_mesh, **parallel_kwargs)
         if meta_init:
             materialize_(part, model, device, seed=seed, pretrained=pretrained, init_parameters=init_parameters)
+    for part in parts.values():
+        for n, p in part.named_parameters(remove_duplicate=False):
+            if n in frozen:
+                p.requires_grad_(False)
     schedule = None
     if stage_ids is not None:
         stages = make_stages(parts, num_stages, device, mesh.get_group("pipeline"))

@@ -78,7 +78,8 @@ class ModuleInitializer:
             clone = _full_copy(self.modules[module_name])
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(module_seed(self.seed, module_name))
-                self.reference.init_module(module_name, clone)
+                own_rule = getattr(clone, "init_own", None)  # a module that knows its values (a LoRA factor)
+                own_rule() if callable(own_rule) else self.reference.init_module(module_name, clone)
             self._cache = {module_name: {**clone._parameters, **clone._buffers}}  # keep only the latest
         return self._cache[module_name]
 

@@ -48,6 +48,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from dufu.delta.lora import LoraColwiseParallel, LoraLinear, LoraRowwiseParallel
+from dufu.errors import LayoutError
 from dufu.layers.embedding import PositionEmbedding, VocabEmbedding
 from dufu.layers.linear import Linear
 
@@ -56,16 +58,29 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
     """The {module name: ParallelStyle} plan for ``model``, from the styles its layers declare."""
     seq = Shard(1) if sequence_parallel else Replicate()
     plan = {}
+    lora_names: list[str] = []
     for name, module in model.named_modules():
         if not name:
             continue
+        lora = isinstance(module, LoraLinear)  # its factors follow the layer's split (dufu.delta.lora)
+        col, row = (LoraColwiseParallel, LoraRowwiseParallel) if lora else (ColwiseParallel, RowwiseParallel)
+        if any(name.startswith(n + ".") for n in lora_names):
+            continue  # a LoRA factor: placed by its layer's style
+        if lora:
+            lora_names.append(name)
         if module is head:
-            plan[name] = ColwiseParallel(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
+            plan[name] = col(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
         elif isinstance(module, Linear):
             if module.parallel == "col":
-                plan[name] = ColwiseParallel()
+                plan[name] = col()
             elif module.parallel == "row":
-                plan[name] = RowwiseParallel(output_layouts=seq)
+                plan[name] = row(output_layouts=seq)
+            elif lora and sequence_parallel:
+                # replicated factors fed this rank's tokens would need their gradients summed over the group
+                raise LayoutError(
+                    f"LoRA on {name}, a layer replicated under tensor parallelism (parallel='data'), does not "
+                    "combine with sequence parallelism; leave it out of delta.targets or set "
+                    "train.dist.sequence_parallel=False")
         elif isinstance(module, nn.Embedding) and getattr(module, "parallel", None) == "col":
             # a table whose columns are per-head values (T5's relative attention bias): split by head
             plan[name] = ColwiseParallel()
@@ -93,7 +108,11 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
         and head.weight is model.wte.weight
     )
     plan = tensor_parallel_plan(model, sequence_parallel, head=head)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # a delta run's frozen base
     parallelize_module(model, tp_mesh, plan)
+    for n, p in model.named_parameters():  # SequenceParallel makes new Parameters that require grad
+        if n in frozen:
+            p.requires_grad_(False)
     if tied:
         # Both styles split the (vocab, hidden) table along the vocabulary (Shard(0)), so the
         # embedding's sharded parameter serves the head unchanged.

@@ -1,0 +1,104 @@
+"""Delta tuning on one process: what a delta adds, what trains, LoRA's arithmetic, and the errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from dufu.config import LazyConfig, instantiate
+from dufu.config.packaged import resolve_config_path
+from dufu.delta import BitFit, Freeze, LoRA, LoraLinear, apply_delta, matches, merge_lora_
+from dufu.errors import ConfigError
+
+
+def build(name: str = "llama_debug") -> nn.Module:
+    cfg = LazyConfig.load(resolve_config_path(name))
+    torch.manual_seed(0)
+    model = instantiate(cfg.model)
+    model.init_weights()
+    return model
+
+
+def test_patterns_follow_peft_target_modules():
+    # a list: exact names or suffixes after a dot; wildcards; a string: a regular expression of the whole name
+    assert matches("blocks.0.attn.q_proj", ["q_proj"])
+    assert not matches("blocks.0.attn.q_proj_extra", ["q_proj"])
+    assert matches("blocks.1.attn.v_proj", ["blocks.*.attn.v_proj"])
+    assert matches("blocks.1.attn.v_proj", r"blocks\.1\..*_proj")
+    assert not matches("blocks.0.attn.v_proj", r"blocks\.1\..*_proj")
+    assert not matches("x", None)
+
+
+def test_lora_starts_at_the_base_and_merges_exactly():
+    model = build()
+    tokens = torch.randint(0, 257, (2, 16))
+    before = model(input_ids=tokens).logits
+    info = apply_delta(model, LoRA(targets=["q_proj", "v_proj", "out_proj", "down_proj"], rank=4, alpha=8))
+    lora = [m for m in model.modules() if isinstance(m, LoraLinear)]
+    assert len(lora) == 8  # 4 targets x 2 layers
+    for m in lora:  # B starts at zero, A does not (PEFT's default initialisation)
+        assert torch.count_nonzero(m.lora_B.weight) == 0 and torch.count_nonzero(m.lora_A.weight) > 0
+        assert m.lora_scaling == 2.0
+    torch.testing.assert_close(model(input_ids=tokens).logits, before, rtol=0, atol=0)
+    for m in lora:
+        nn.init.normal_(m.lora_B.weight, std=0.1)
+    unmerged = model(input_ids=tokens).logits
+    assert (unmerged - before).abs().max() > 1e-3
+    merge_lora_(model)
+    torch.testing.assert_close(model(input_ids=tokens).logits, unmerged, rtol=1e-5, atol=1e-5)
+    merge_lora_(model, unmerge=True)
+    torch.testing.assert_close(model(input_ids=tokens).logits, unmerged, rtol=1e-5, atol=1e-5)
+    # only the factors train; the count is theirs
+    expected = sum(m.lora_A.weight.numel() + m.lora_B.weight.numel() for m in lora)
+    assert info.trainable_count == expected
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == set(info.trainable)
+    assert all(".lora_" in n for n in info.trainable) and info.added == info.trainable
+    assert "LoRA" in info.summary() and f"{expected:,} of" in info.summary()
+
+
+def test_rank_stabilised_scaling():
+    model = build()
+    apply_delta(model, LoRA(targets=["q_proj"], rank=4, alpha=8, rslora=True))
+    m = model.get_submodule("blocks.0.attn.q_proj")
+    assert m.lora_scaling == pytest.approx(8 / math.sqrt(4))
+
+
+def test_bitfit_and_freeze_select_what_trains():
+    model = build("gpt_debug")
+    info = apply_delta(model, [BitFit(), Freeze(unfreeze=["ln_f"], freeze=["blocks.0.attn.q_proj"])])
+    trainable = set(info.trainable)
+    assert "ln_f.weight" in trainable and "ln_f.bias" in trainable
+    assert "blocks.0.attn.q_proj.bias" not in trainable  # freeze wins over BitFit
+    assert "blocks.1.attn.q_proj.bias" in trainable
+    assert all(n.endswith("bias") or n.startswith("ln_f") for n in trainable)
+    # Freeze alone: partial fine-tuning, everything but the frozen part trains
+    model = build("gpt_debug")
+    info = apply_delta(model, Freeze(freeze=["wte", "wpe", "blocks.0"]))
+    names = {n for n, _ in model.named_parameters()}
+    assert set(info.trainable) == {n for n in names if not n.startswith(("wte", "wpe", "blocks.0."))}
+
+
+def test_errors_say_what_is_wrong():
+    with pytest.raises(ConfigError, match=r"matches no module.*Closest module names: .*q_proj"):
+        apply_delta(build(), LoRA(targets=["q_prj"]))
+    with pytest.raises(ConfigError, match="rank 512 does not fit a 64 -> 64 layer"):
+        apply_delta(build(), LoRA(targets=["q_proj"], rank=512))
+    with pytest.raises(ConfigError, match="applies to linear layers"):
+        apply_delta(build(), LoRA(targets=["attn"]))
+    with pytest.raises(ConfigError, match="no bias to train"):
+        apply_delta(build(), BitFit())  # LLaMA's layers have no biases
+
+
+def test_tensor_parallel_plan_places_the_factors_with_their_layer():
+    from dufu.delta.lora import LoraColwiseParallel, LoraRowwiseParallel
+    from dufu.parallel.tensor_parallel import tensor_parallel_plan
+
+    model = build()
+    apply_delta(model, LoRA(targets=["q_proj", "out_proj"], rank=2))
+    plan = tensor_parallel_plan(model)
+    assert type(plan["blocks.0.attn.q_proj"]) is LoraColwiseParallel
+    assert type(plan["blocks.0.attn.out_proj"]) is LoraRowwiseParallel
+    assert not any(".lora_" in name for name in plan)  # the factors are placed by their layer's style
