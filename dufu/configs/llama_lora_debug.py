@@ -12,7 +12,7 @@ from .llama_debug import model, optim, tokenization, train
 
 model.pretrained = None
 dataloader.train.seq_length = 32  # llama_debug's max_position_embeddings
-delta = L(LoRA)(targets=["q_proj", "v_proj"], rank=4, alpha=8, dropout=0.0)
+delta = L(LoRA)(targets=["q_proj", "v_proj"], rank=4, alpha=8, dropout=0.0, rslora=False, dora=False)
 
 finetune_run(train, optim, "output/llama_lora_debug")
 optim.lr = 1e-3  # LoRA factors learn at a higher rate than full fine-tuning (PEFT's examples: 1e-4 to 2e-3)

@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from dufu.layers.linear import Linear
@@ -59,15 +59,29 @@ class LoraLinear(Linear):
     lora_B: LoraFactor
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
         if self.lora_merged:
-            return y
-        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A.weight), self.lora_B.weight)
-        return y + update * self.lora_scaling
+            return F.linear(x, self.weight, self.bias)
+        update = F.linear(F.linear(self.lora_dropout(x), self.lora_A.weight), self.lora_B.weight) * self.lora_scaling
+        magnitude = getattr(self, "lora_magnitude_vector", None)
+        if magnitude is None:
+            return F.linear(x, self.weight, self.bias) + update
+        # DoRA: m * (W + s B A) x / ||W + s B A|| (row norms), the norm taken as a constant in backward
+        # (Liu et al. 2024, section 4.3, as PEFT does)
+        scale = magnitude.weight / self.lora_weight_norm().detach()
+        y = (F.linear(x, self.weight) + update) * scale
+        return y if self.bias is None else y + self.bias
+
+    def lora_weight_norm(self) -> torch.Tensor:
+        """The row norms of W + s B A, (out,), in the weight's dtype: DoRA's denominator."""
+        w = self.weight
+        delta = (self.lora_B.weight @ self.lora_A.weight).to(w.dtype) * self.lora_scaling
+        return torch.linalg.vector_norm(w + delta, dim=1)
 
     @torch.no_grad()
     def merge_lora_(self) -> None:
         """Fold ``s * B A`` into ``weight`` (for serving or export); the factors stay, unused, until unmerged."""
+        if getattr(self, "lora_magnitude_vector", None) is not None:
+            raise NotImplementedError("merging a DoRA layer in place is not supported; export it merged instead")
         if not self.lora_merged:
             self.weight += (self.lora_B.weight @ self.lora_A.weight).to(self.weight.dtype) * self.lora_scaling
             self.lora_merged = True
@@ -82,9 +96,24 @@ class LoraLinear(Linear):
         return super().extra_repr() + f", lora_rank={self.lora_rank}, lora_scaling={self.lora_scaling:g}"
 
 
-def add_lora(module: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, rslora: bool = False) -> LoraLinear:
+class LoraMagnitude(nn.Module):
+    """DoRA's magnitude vector m, (out,). Its initial value is the row norms of the base weight, known only once
+    the base weights are in place: :func:`init_dora_magnitudes` sets it (``init_own`` leaves ones for now)."""
+
+    def __init__(self, out_features: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features))
+
+    @torch.no_grad()
+    def init_own(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def add_lora(module: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, rslora: bool = False,
+             dora: bool = False) -> LoraLinear:
     """Turn ``module`` (an ``nn.Linear`` or dufu ``Linear``, any device incl. meta) into a :class:`LoraLinear`
-    in place and return it. The factors are created on the module's device, uninitialised on meta."""
+    in place and return it. The factors are created on the module's device, uninitialised on meta. ``dora``:
+    weight-decomposed LoRA (Liu et al. 2024), a trainable magnitude per output feature beside the factors."""
     if type(module) not in (nn.Linear, Linear):
         raise TypeError(f"LoRA wraps nn.Linear and dufu Linear layers; got {type(module).__name__}")
     out_features, in_features = module.weight.shape
@@ -98,6 +127,8 @@ def add_lora(module: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, r
     with torch.device(device):
         module.lora_A = LoraFactor(rank, in_features, "kaiming")
         module.lora_B = LoraFactor(out_features, rank, "zeros")
+        if dora:
+            module.lora_magnitude_vector = LoraMagnitude(out_features)
     if device.type != "meta":
         module.lora_A.init_own()
         module.lora_B.init_own()
@@ -127,7 +158,7 @@ class LoraColwiseParallel(ColwiseParallel):
             _place(module, "bias", device_mesh, Shard(0), self.src_data_rank)
         elif name == "lora_A":
             _place(module, "weight", device_mesh, Replicate(), self.src_data_rank)
-        elif name == "lora_B":
+        elif name in ("lora_B", "lora_magnitude_vector"):  # output features, split like the layer's
             _place(module, "weight", device_mesh, Shard(0), self.src_data_rank)
 
 
@@ -141,7 +172,7 @@ class LoraRowwiseParallel(RowwiseParallel):
             _place(module, "bias", device_mesh, Replicate(), self.src_data_rank)
         elif name == "lora_A":
             _place(module, "weight", device_mesh, Shard(1), self.src_data_rank)
-        elif name == "lora_B":
+        elif name in ("lora_B", "lora_magnitude_vector"):  # output features: whole on every rank
             _place(module, "weight", device_mesh, Replicate(), self.src_data_rank)
 
 
@@ -155,3 +186,21 @@ def merge_lora_(model: nn.Module, unmerge: bool = False) -> Optional[int]:
     for m in layers.values():
         m.unmerge_lora_() if unmerge else m.merge_lora_()
     return len(layers)
+
+
+@torch.no_grad()
+def init_dora_magnitudes(parts) -> int:
+    """Set every DoRA magnitude to the row norms of its layer's W + s B A (B = 0 at the start: those of W), once
+    the base weights are in place and before a checkpoint is resumed; any layout (a sharded weight is gathered
+    one layer at a time). Returns how many layers it set."""
+    from dufu.parallel.materialize import assign_full_
+
+    count = 0
+    for part in parts:
+        for m in part.modules():
+            if isinstance(m, LoraLinear) and getattr(m, "lora_magnitude_vector", None) is not None:
+                norm = m.lora_weight_norm()
+                full = norm.full_tensor() if isinstance(norm, DTensor) else norm
+                assign_full_(m.lora_magnitude_vector.weight, full.to(m.lora_magnitude_vector.weight.dtype))
+                count += 1
+    return count

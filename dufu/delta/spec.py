@@ -66,6 +66,7 @@ class LoRA:
     dropout: float = 0.0
     rslora: bool = False
     exclude: Patterns = None
+    dora: bool = False  # weight-decomposed LoRA (Liu et al. 2024; PEFT's use_dora)
     freezes_base: bool = field(default=True, init=False)
 
     def apply(self, model: nn.Module) -> list[str]:
@@ -88,11 +89,62 @@ class LoRA:
                                   "fused loss reads the head's weight directly); set model.fused_loss=False.")
             try:
                 add_lora(m, self.rank, float(self.alpha if self.alpha is not None else self.rank),
-                         float(self.dropout), bool(self.rslora))
+                         float(self.dropout), bool(self.rslora), bool(self.dora))
             except ValueError as e:
                 raise ConfigError(f"delta LoRA on {n!r}: {e}") from None
             names += [f"{n}.lora_A.weight", f"{n}.lora_B.weight"]
+            names += [f"{n}.lora_magnitude_vector.weight"] if self.dora else []
         return names
+
+
+@dataclass
+class Adapter:
+    """Bottleneck adapters on the outputs of the ``targets`` sublayers (:mod:`dufu.delta.adapters`).
+    ``placement``: "houlsby" (default targets: each block's attention and MLP) or "pfeiffer" (the MLP only).
+    ``bottleneck``: the inner width (default hidden_size // ``reduction_factor``)."""
+
+    placement: str = "houlsby"
+    targets: Patterns = None
+    bottleneck: Optional[int] = None
+    reduction_factor: int = 16
+    activation: str = "relu"
+    hidden_size: Optional[int] = None
+    freezes_base: bool = field(default=True, init=False)
+
+    PLACEMENTS = {"houlsby": ("attn", "attention", "self_attn", "mlp"), "pfeiffer": ("mlp",)}
+
+    def apply(self, model: nn.Module) -> list[str]:
+        from dufu.delta.adapters import add_adapter
+
+        if self.placement not in self.PLACEMENTS:
+            raise ConfigError(f"delta Adapter placement {self.placement!r}: use 'houlsby' or 'pfeiffer'")
+        hidden = self.hidden_size or getattr(model, "hidden_size", None)
+        if not isinstance(hidden, int):
+            raise ConfigError("delta Adapter: the model has no hidden_size attribute; set delta hidden_size=...")
+        size = self.bottleneck or max(1, hidden // self.reduction_factor)
+        targets = self.targets if self.targets is not None else list(self.PLACEMENTS[self.placement])
+        blocks = {n for n, _ in _blocks(model)}
+        chosen = [(n, m) for n, m in model.named_modules()
+                  if n and matches(n, targets) and (self.targets is not None or n.rsplit(".", 1)[0] in blocks)]
+        if not chosen:
+            raise _no_match("delta Adapter targets", targets, (n for n, _ in model.named_modules() if n))
+        names = []
+        for n, m in chosen:
+            try:
+                add_adapter(m, hidden, size, self.activation)
+            except ValueError as e:
+                raise ConfigError(f"delta Adapter on {n!r}: {e}") from None
+            names += [f"{n}.delta_adapter.{w}" for w in ("down_weight", "down_bias", "up_weight", "up_bias")]
+        return names
+
+
+def _blocks(model: nn.Module):
+    """The transformer blocks (dufu's pipeline units): their sublayers are where adapters go by default."""
+    from dufu.parallel.pipeline import pipeline_blocks
+
+    if getattr(model, "pipeline_layout", None) is None:  # a model without a block layout: every module counts
+        return list(model.named_modules())
+    return [(f"{c}.{k}", model.get_submodule(f"{c}.{k}")) for c, k in pipeline_blocks(model)]
 
 
 def _is_dufu_linear(m: nn.Module) -> bool:
@@ -166,7 +218,7 @@ def apply_delta(model: nn.Module, delta) -> Optional[DeltaInfo]:
     for s in specs:
         names = s.apply(model)
         selected += names
-        added += names if isinstance(s, LoRA) else []
+        added += names if isinstance(s, (LoRA, Adapter)) else []
     freezes_base = any(s.freezes_base for s in specs)
     unfreeze = [p for s in specs if isinstance(s, Freeze) for p in _as_list(s.unfreeze)]
     freeze = [p for s in specs if isinstance(s, Freeze) for p in _as_list(s.freeze)]
@@ -194,6 +246,10 @@ def apply_delta(model: nn.Module, delta) -> Optional[DeltaInfo]:
         raise ConfigError("delta leaves no parameter to train: check delta's targets and freeze patterns")
     info = DeltaInfo([type(s).__name__ for s in specs], trainable, trainable_count, total, added)
     model.delta_info = info
+    if any(p.device.type != "meta" for p in model.parameters()):  # a model with values: DoRA's magnitudes now
+        from dufu.delta.lora import init_dora_magnitudes
+
+        init_dora_magnitudes([model])
     return info
 
 

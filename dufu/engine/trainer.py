@@ -148,6 +148,10 @@ class Trainer:
             ckpt = self.pretrained.checkpoint
             Checkpointer(ckpt.parent, rank=self.rank).load_model(
                 ckpt, parts.modules, skip=frozenset(self.delta.added) if self.delta is not None else frozenset())
+        if self.delta is not None:  # DoRA's magnitudes start from the base weights now in place
+            from dufu.delta.lora import init_dora_magnitudes
+
+            init_dora_magnitudes(parts.modules)
         return parts
 
     def _build_optimizer(self, part):

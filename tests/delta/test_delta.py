@@ -102,3 +102,45 @@ def test_tensor_parallel_plan_places_the_factors_with_their_layer():
     assert type(plan["blocks.0.attn.q_proj"]) is LoraColwiseParallel
     assert type(plan["blocks.0.attn.out_proj"]) is LoraRowwiseParallel
     assert not any(".lora_" in name for name in plan)  # the factors are placed by their layer's style
+
+
+def test_dora_decomposes_the_weight_as_the_paper_says():
+    model = build()
+    tokens = torch.randint(0, 257, (2, 16))
+    before = model(input_ids=tokens).logits
+    info = apply_delta(model, LoRA(targets=["q_proj", "out_proj"], rank=4, alpha=8, dora=True))
+    m = model.get_submodule("blocks.0.attn.q_proj")
+    # m starts as the row norms of W, so the model starts as the base
+    torch.testing.assert_close(m.lora_magnitude_vector.weight, torch.linalg.vector_norm(m.weight, dim=1))
+    torch.testing.assert_close(model(input_ids=tokens).logits, before, rtol=1e-5, atol=1e-5)
+    assert "blocks.0.attn.q_proj.lora_magnitude_vector.weight" in info.trainable
+    # y = m * (W + s B A) x / ||W + s B A||_row + b, for B != 0 and m != ||W||
+    nn.init.normal_(m.lora_B.weight, std=0.1)
+    with torch.no_grad():
+        m.lora_magnitude_vector.weight.mul_(1.5)
+    x = torch.randn(3, 64)
+    merged = m.weight + m.lora_scaling * m.lora_B.weight @ m.lora_A.weight
+    expected = (x @ merged.t()) * (m.lora_magnitude_vector.weight / torch.linalg.vector_norm(merged, dim=1))
+    torch.testing.assert_close(m(x), expected, rtol=1e-5, atol=1e-5)
+    m(x).sum().backward()
+    assert m.lora_magnitude_vector.weight.grad is not None and m.weight.grad is None
+
+
+def test_adapters_start_as_the_identity_and_train_alone():
+    from dufu.delta import Adapter
+
+    model = build("gpt_debug")
+    tokens = torch.randint(0, 257, (2, 16))
+    before = model(input_ids=tokens).logits
+    info = apply_delta(model, Adapter(placement="houlsby", bottleneck=8))
+    adapters = [n for n, _ in model.named_modules() if n.endswith(".delta_adapter")]
+    assert adapters == ["blocks.0.attn.delta_adapter", "blocks.0.mlp.delta_adapter",
+                        "blocks.1.attn.delta_adapter", "blocks.1.mlp.delta_adapter"]
+    torch.testing.assert_close(model(input_ids=tokens).logits, before, rtol=0, atol=0)
+    assert info.trainable_count == 4 * (2 * 64 * 8 + 8 + 64)
+    model = build("gpt_debug")
+    apply_delta(model, Adapter(placement="pfeiffer", reduction_factor=8))
+    assert [n for n, _ in model.named_modules() if n.endswith(".delta_adapter")] == \
+        ["blocks.0.mlp.delta_adapter", "blocks.1.mlp.delta_adapter"]
+    with pytest.raises(ConfigError, match="placement 'parallel'"):
+        apply_delta(build("gpt_debug"), Adapter(placement="parallel"))

@@ -1,7 +1,8 @@
 """Delta runs train to one-process numbers in every layout, save only the delta, and resume in another layout.
 
 LoRA: llama_lora_debug with factors beside column-parallel (q_proj, v_proj) and row-parallel (out_proj,
-down_proj) layers. BitFit + Freeze: gpt_debug's biases and final norm (tests/delta/gpt_bitfit_debug.py).
+down_proj) layers; DoRA beside q_proj and out_proj. BitFit + Freeze: gpt_debug's biases and final norm
+(tests/delta/gpt_bitfit_debug.py). Houlsby adapters on gpt_debug (tests/delta/gpt_adapter_debug.py).
 Losses within 1e-5 of the single-process run and the final delta weights within tests/parity.py's bound.
 """
 
@@ -20,7 +21,9 @@ pytestmark = pytest.mark.multiprocess
 HERE = Path(__file__).parent
 LORA = ("llama_lora_debug", ['delta.targets=["q_proj","v_proj","out_proj","down_proj"]'])
 BITFIT = (str(HERE / "gpt_bitfit_debug.py"), [])
-DELTAS = {"lora": LORA, "bitfit": BITFIT}
+DORA = ("llama_lora_debug", ['delta.targets=["q_proj","out_proj"]', "delta.dora=True"])
+ADAPTER = (str(HERE / "gpt_adapter_debug.py"), [])
+DELTAS = {"lora": LORA, "dora": DORA, "bitfit": BITFIT, "adapter": ADAPTER}
 
 DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 ZERO3 = ("train.zero_optimization.enabled=True", "train.zero_optimization.stage=3")
