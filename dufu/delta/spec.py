@@ -138,6 +138,34 @@ class Adapter:
         return names
 
 
+@dataclass
+class PrefixTuning:
+    """Learned keys and values before every self-attention's own (:mod:`dufu.delta.prefix`), in the blocks'
+    attention modules (or the ``targets``)."""
+
+    num_virtual_tokens: int = 16
+    targets: Patterns = None
+    freezes_base: bool = field(default=True, init=False)
+
+    def apply(self, model: nn.Module) -> list[str]:
+        from dufu.delta.prefix import add_prefix
+        from dufu.layers.attention import Attention
+
+        if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens < 1:
+            raise ConfigError(f"delta PrefixTuning num_virtual_tokens = {self.num_virtual_tokens!r}: use a positive "
+                              "integer (typical: 8 to 64)")
+        blocks = [n for n, _ in _blocks(model)]
+        chosen = [(n, m) for n, m in model.named_modules() if isinstance(m, Attention) and (
+            matches(n, self.targets) if self.targets is not None
+            else any(n.startswith(b + ".") for b in blocks) and not n.endswith("cross_attn"))]
+        if not chosen:
+            raise _no_match("delta PrefixTuning targets", self.targets or ["attention"],
+                            (n for n, _ in model.named_modules() if n))
+        for n, m in chosen:
+            add_prefix(m, self.num_virtual_tokens)
+        return [f"{n}.delta_prefix.{w}" for n, _ in chosen for w in ("key", "value")]
+
+
 def _blocks(model: nn.Module):
     """The transformer blocks (dufu's pipeline units): their sublayers are where adapters go by default."""
     from dufu.parallel.pipeline import pipeline_blocks
@@ -218,7 +246,7 @@ def apply_delta(model: nn.Module, delta) -> Optional[DeltaInfo]:
     for s in specs:
         names = s.apply(model)
         selected += names
-        added += names if isinstance(s, (LoRA, Adapter)) else []
+        added += names if isinstance(s, (LoRA, Adapter, PrefixTuning)) else []
     freezes_base = any(s.freezes_base for s in specs)
     unfreeze = [p for s in specs if isinstance(s, Freeze) for p in _as_list(s.unfreeze)]
     freeze = [p for s in specs if isinstance(s, Freeze) for p in _as_list(s.freeze)]

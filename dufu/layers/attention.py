@@ -129,6 +129,17 @@ class Attention(nn.Module):
                     position_ids = torch.arange(start, start + T, device=x.device)[None]  # (1, T)
                 cos, sin = rotary(position_ids, dtype=torch.float32)  # (B|1, 1, T, hs), fp32 as the reference
                 q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            prefix = getattr(self, "delta_prefix", None)  # prefix tuning (dufu.delta.prefix)
+            if prefix is not None and kv is None and (kv_cache is None or kv_cache.get(self) is None):
+                pk, pv = prefix.expanded(B, k.dtype)
+                k, v = torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2)
+                n = pk.shape[2]
+                if attention_mask is not None and attention_mask.dim() == 2:  # the prefix is never padding
+                    attention_mask = F.pad(attention_mask, (n, 0), value=1)
+                elif attention_mask is not None:
+                    attention_mask = F.pad(attention_mask, (n, 0), value=0.0)
+                if position_bias is not None:
+                    position_bias = F.pad(position_bias, (n, 0), value=0.0)
             if kv_cache is not None:
                 if kv is None:
                     k, v = kv_cache.update(self, k, v)

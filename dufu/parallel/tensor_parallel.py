@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
 )
 
 from dufu.delta.lora import LoraColwiseParallel, LoraLinear, LoraRowwiseParallel
+from dufu.delta.prefix import ShardHeads
 from dufu.errors import LayoutError
 from dufu.layers.embedding import PositionEmbedding, VocabEmbedding
 from dufu.layers.linear import Linear
@@ -68,6 +69,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
             continue  # a LoRA factor: placed by its layer's style
         if lora:
             lora_names.append(name)
+        if getattr(module, "tensor_parallel_heads", False):  # a prefix-tuning prefix: split by heads
+            plan[name] = ShardHeads()
+            continue
         if module is head:
             plan[name] = col(input_layouts=seq, output_layouts=Shard(-1), use_local_output=False)
         elif isinstance(module, Linear):

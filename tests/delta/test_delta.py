@@ -144,3 +144,43 @@ def test_adapters_start_as_the_identity_and_train_alone():
         ["blocks.0.mlp.delta_adapter", "blocks.1.mlp.delta_adapter"]
     with pytest.raises(ConfigError, match="placement 'parallel'"):
         apply_delta(build("gpt_debug"), Adapter(placement="parallel"))
+
+
+@pytest.mark.parametrize("name", ["llama_debug", "bert_debug", "t5_debug"])
+def test_prefix_tuning_puts_learned_keys_before_every_self_attention(name):
+    from dufu.delta import PrefixTuning
+    from dufu.layers.attention import Attention
+
+    model = build(name)
+    info = apply_delta(model, PrefixTuning(num_virtual_tokens=3))
+    prefixed = [n for n, m in model.named_modules() if isinstance(m, Attention) and hasattr(m, "delta_prefix")]
+    assert prefixed and not any(n.endswith("cross_attn") for n in prefixed)
+    assert all(".delta_prefix." in n for n in info.trainable)
+    tokens = torch.randint(0, 200, (2, 12))
+    inputs = {"input_ids": tokens}
+    if name == "t5_debug":
+        inputs["decoder_input_ids"] = tokens
+    if name == "bert_debug":
+        inputs["attention_mask"] = torch.ones_like(tokens).index_fill_(1, torch.tensor([10, 11]), 0)
+    out = model(**inputs).logits
+    assert out.shape[:2] == (2, 12)
+    out.float().pow(2).mean().backward()
+    grads = [p.grad for n, p in model.named_parameters() if ".delta_prefix." in n]
+    assert all(g is not None and g.abs().sum() > 0 for g in grads)
+
+
+def test_prefix_attention_equals_attention_over_prepended_keys():
+    from dufu.delta.prefix import add_prefix
+    from dufu.layers.attention import Attention
+
+    torch.manual_seed(0)
+    attn = Attention(32, 4, causal=True, qkv_bias=False)
+    prefix = add_prefix(attn, 2)
+    x = torch.randn(1, 5, 32)
+    q = attn.q_proj(x).view(1, 5, 4, 8).transpose(1, 2)
+    k = torch.cat([prefix.key[None], attn.k_proj(x).view(1, 5, 4, 8).transpose(1, 2)], dim=2)
+    v = torch.cat([prefix.value[None], attn.v_proj(x).view(1, 5, 4, 8).transpose(1, 2)], dim=2)
+    allowed = torch.ones(5, 7, dtype=torch.bool).tril(diagonal=2)  # all of the prefix, then causal
+    y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+    expected = attn.out_proj(y.transpose(1, 2).reshape(1, 5, 32))
+    torch.testing.assert_close(attn(x), expected, rtol=1e-5, atol=1e-5)

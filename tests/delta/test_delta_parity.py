@@ -2,7 +2,8 @@
 
 LoRA: llama_lora_debug with factors beside column-parallel (q_proj, v_proj) and row-parallel (out_proj,
 down_proj) layers; DoRA beside q_proj and out_proj. BitFit + Freeze: gpt_debug's biases and final norm
-(tests/delta/gpt_bitfit_debug.py). Houlsby adapters on gpt_debug (tests/delta/gpt_adapter_debug.py).
+(tests/delta/gpt_bitfit_debug.py). Houlsby adapters on gpt_debug (tests/delta/gpt_adapter_debug.py). Prefix tuning on the tiny LLaMA
+(tests/delta/llama_prefix_debug.py; GQA: 2 key/value heads, split by heads under TP).
 Losses within 1e-5 of the single-process run and the final delta weights within tests/parity.py's bound.
 """
 
@@ -23,7 +24,8 @@ LORA = ("llama_lora_debug", ['delta.targets=["q_proj","v_proj","out_proj","down_
 BITFIT = (str(HERE / "gpt_bitfit_debug.py"), [])
 DORA = ("llama_lora_debug", ['delta.targets=["q_proj","out_proj"]', "delta.dora=True"])
 ADAPTER = (str(HERE / "gpt_adapter_debug.py"), [])
-DELTAS = {"lora": LORA, "dora": DORA, "bitfit": BITFIT, "adapter": ADAPTER}
+PREFIX = (str(HERE / "llama_prefix_debug.py"), [])
+DELTAS = {"lora": LORA, "dora": DORA, "bitfit": BITFIT, "adapter": ADAPTER, "prefix": PREFIX}
 
 DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 ZERO3 = ("train.zero_optimization.enabled=True", "train.zero_optimization.stage=3")
