@@ -43,8 +43,10 @@ def load_for_generation(path: str | Path, device: str = "cpu"):
         from dufu.config import LazyConfig, instantiate
         from dufu.engine.convert import resolve_checkpoint
 
+        from dufu.delta.run import is_delta_checkpoint, load_delta_run
+
         ckpt = resolve_checkpoint(path)
-        model = pretrained_model(ckpt)
+        model = load_delta_run(ckpt) if is_delta_checkpoint(ckpt) else pretrained_model(ckpt)  # delta: base + delta
         saved = ckpt.parent.parent / "tokenizer.json"  # written by the trainer into output_dir
         if saved.is_file():
             tokenizer = build_tokenizer("pretrained", path=saved)
