@@ -1,11 +1,13 @@
-"""Delta tuning: train a small addition to a frozen model (LoRA, BitFit, partial fine-tuning), in every layout.
+"""Delta tuning: train a small addition to a frozen model, in every layout.
 
-See :mod:`dufu.delta.spec` for the config section, :mod:`dufu.delta.lora` for LoRA (and DoRA) and its parallel
-styles, :mod:`dufu.delta.adapters` for bottleneck adapters, :mod:`dufu.delta.prefix` for prefix tuning.
+See :mod:`dufu.delta.spec` for the config section; :mod:`dufu.delta.lora` for LoRA (and DoRA) and its parallel
+styles, :mod:`dufu.delta.adapters` for bottleneck adapters, :mod:`dufu.delta.prefix` for prefix tuning,
+:mod:`dufu.delta.prompt` for prompt tuning.
 """
 
 from dufu.delta.lora import LoraLinear, add_lora, lora_layers, merge_lora_
-from dufu.delta.spec import Adapter, BitFit, DeltaInfo, Freeze, LoRA, PrefixTuning, apply_delta, matches
+from dufu.delta.spec import (Adapter, BitFit, DeltaInfo, Freeze, LoRA, PrefixTuning, PromptTuning, apply_delta,
+                             matches)
 
-__all__ = ["LoRA", "Adapter", "PrefixTuning", "BitFit", "Freeze", "DeltaInfo", "apply_delta", "matches", "LoraLinear", "add_lora",
-           "lora_layers", "merge_lora_"]
+__all__ = ["LoRA", "Adapter", "PrefixTuning", "PromptTuning", "BitFit", "Freeze", "DeltaInfo", "apply_delta",
+           "matches", "LoraLinear", "add_lora", "lora_layers", "merge_lora_"]

@@ -166,6 +166,34 @@ class PrefixTuning:
         return [f"{n}.delta_prefix.{w}" for n, _ in chosen for w in ("key", "value")]
 
 
+@dataclass
+class PromptTuning:
+    """Learned virtual tokens in front of the sequence (:mod:`dufu.delta.prompt`); decoder-only models."""
+
+    num_virtual_tokens: int = 16
+    init_std: float = 0.02
+    freezes_base: bool = field(default=True, init=False)
+
+    def apply(self, model: nn.Module) -> list[str]:
+        from dufu.delta.prompt import add_prompt
+        from dufu.layers.attention import Attention
+
+        if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens < 1:
+            raise ConfigError(f"delta PromptTuning num_virtual_tokens = {self.num_virtual_tokens!r}: use a positive "
+                              "integer (typical: 8 to 100)")
+        blocks = _blocks(model) if getattr(model, "pipeline_layout", None) is not None else []
+        containers = {n.rsplit(".", 1)[0] for n, _ in blocks}
+        causal = blocks and all(m.causal for _, b in blocks for m in b.modules() if isinstance(m, Attention))
+        if not blocks or len(containers) != 1 or not causal:
+            raise ConfigError(f"delta PromptTuning applies to decoder-only models (GPT, LLaMA families); "
+                              f"{type(model).__name__} is not one. Use PrefixTuning, LoRA or adapters for it.")
+        hidden = getattr(model, "hidden_size", None)
+        (first, first_block), (_, last_block) = blocks[0], blocks[-1]
+        add_prompt(first_block, last_block, self.num_virtual_tokens, hidden)
+        first_block.delta_prompt.std = float(self.init_std)
+        return [f"{first}.delta_prompt.weight"]
+
+
 def _blocks(model: nn.Module):
     """The transformer blocks (dufu's pipeline units): their sublayers are where adapters go by default."""
     from dufu.parallel.pipeline import pipeline_blocks
@@ -246,7 +274,7 @@ def apply_delta(model: nn.Module, delta) -> Optional[DeltaInfo]:
     for s in specs:
         names = s.apply(model)
         selected += names
-        added += names if isinstance(s, (LoRA, Adapter, PrefixTuning)) else []
+        added += names if isinstance(s, (LoRA, Adapter, PrefixTuning, PromptTuning)) else []
     freezes_base = any(s.freezes_base for s in specs)
     unfreeze = [p for s in specs if isinstance(s, Freeze) for p in _as_list(s.unfreeze)]
     freeze = [p for s in specs if isinstance(s, Freeze) for p in _as_list(s.freeze)]

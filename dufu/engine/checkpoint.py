@@ -112,7 +112,10 @@ def _state_dicts(model_parts, optimizers, options=_OPTIONS) -> tuple[dict, dict,
     """Merged model and optimizer state dicts of all parts, and each part's own key sets."""
     model_sd, optim_sd, keys = {}, {}, []
     for part, opt in zip(model_parts, optimizers):
-        msd, osd = get_state_dict(part, opt, options=options)
+        if _empty(opt):  # nothing trains in this part (see dufu.engine.optim): its model state only
+            msd, osd = get_model_state_dict(part, options=options), {}
+        else:
+            msd, osd = get_state_dict(part, opt, options=options)
         if options.ignore_frozen_params:  # also a frozen parameter's tied alias (torch keeps it: a second name)
             frozen = {n for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
             msd = {k: v for k, v in msd.items() if k not in frozen}
@@ -120,6 +123,10 @@ def _state_dicts(model_parts, optimizers, options=_OPTIONS) -> tuple[dict, dict,
         optim_sd.update(osd)
         keys.append((set(msd), set(osd)))
     return model_sd, optim_sd, keys
+
+
+def _empty(optimizer) -> bool:
+    return not any(g["params"] for g in optimizer.param_groups)
 
 
 def _barrier():
@@ -432,6 +439,9 @@ class Checkpointer:
         state = {"model": model_sd, "optim": optim_sd}
         self._load_sharded(path, parts, state)
         for part, opt, (mkeys, okeys) in zip(parts, optims, keys):
+            if _empty(opt):
+                set_model_state_dict(part, {k: state["model"][k] for k in mkeys}, options=self.options)
+                continue
             set_state_dict(
                 part, opt,
                 model_state_dict={k: state["model"][k] for k in mkeys},

@@ -44,4 +44,6 @@ def get_default_optimizer_params(
             if wd is not None:
                 group["weight_decay"] = wd
             groups.append(group)
-    return groups
+    # A part with nothing to train (a pipeline stage of a delta run whose delta sits on another stage) gets one
+    # empty group: the optimizer and its schedule then exist and step over nothing, as on every other stage.
+    return groups or [{"params": []}]

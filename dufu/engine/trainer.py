@@ -159,7 +159,7 @@ class Trainer:
         if isinstance(optim_cfg.get("params"), dict) and "_target_" in optim_cfg.params:
             optim_cfg.params.model = part
         else:
-            optim_cfg.params = list(part.parameters())
+            optim_cfg.params = [p for p in part.parameters() if p.requires_grad] or [{"params": []}]
         return instantiate(optim_cfg)
 
     # ------------------------------------------------------------ the loss over the global batch

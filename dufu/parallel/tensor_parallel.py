@@ -69,6 +69,10 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
             continue  # a LoRA factor: placed by its layer's style
         if lora:
             lora_names.append(name)
+        if sequence_parallel and hasattr(module, "delta_prompt"):
+            raise LayoutError("prompt tuning does not combine with sequence parallelism (a block's input is a shard "
+                              "of the sequence, with no place for the virtual tokens): set "
+                              "train.dist.sequence_parallel=False, or use PrefixTuning")
         if getattr(module, "tensor_parallel_heads", False):  # a prefix-tuning prefix: split by heads
             plan[name] = ShardHeads()
             continue

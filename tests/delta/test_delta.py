@@ -184,3 +184,25 @@ def test_prefix_attention_equals_attention_over_prepended_keys():
     y = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
     expected = attn.out_proj(y.transpose(1, 2).reshape(1, 5, 32))
     torch.testing.assert_close(attn(x), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama_debug", "gpt_debug"])
+def test_prompt_tuning_prepends_virtual_tokens_and_serves_with_a_cache(name):
+    from dufu.delta import PromptTuning
+    from dufu.layers.attention import KVCache
+
+    model = build(name)
+    info = apply_delta(model, PromptTuning(num_virtual_tokens=3))
+    assert info.trainable == ["blocks.0.delta_prompt.weight"] and info.trainable_count == 3 * 64
+    model.eval()
+    tokens = torch.randint(0, 200, (2, 10))
+    full = model(input_ids=tokens).logits  # (B, T, V): the head sees the sequence's positions only
+    assert full.shape[:2] == (2, 10)
+    # the same as the base model run on [prompt embeddings; token embeddings] (LLaMA: positions 0..n+T-1)
+    cache = KVCache()
+    first = model(input_ids=tokens[:, :7], kv_cache=cache).logits
+    step = model(input_ids=tokens[:, 7:8], kv_cache=cache).logits
+    torch.testing.assert_close(first, full[:, :7], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(step[:, -1], full[:, 7], rtol=1e-4, atol=1e-4)
+    with pytest.raises(ConfigError, match="decoder-only"):
+        apply_delta(build("bert_debug"), PromptTuning())

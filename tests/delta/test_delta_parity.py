@@ -3,7 +3,8 @@
 LoRA: llama_lora_debug with factors beside column-parallel (q_proj, v_proj) and row-parallel (out_proj,
 down_proj) layers; DoRA beside q_proj and out_proj. BitFit + Freeze: gpt_debug's biases and final norm
 (tests/delta/gpt_bitfit_debug.py). Houlsby adapters on gpt_debug (tests/delta/gpt_adapter_debug.py). Prefix tuning on the tiny LLaMA
-(tests/delta/llama_prefix_debug.py; GQA: 2 key/value heads, split by heads under TP).
+(tests/delta/llama_prefix_debug.py; GQA: 2 key/value heads, split by heads under TP). Prompt tuning on
+gpt_debug (tests/delta/gpt_prompt_debug.py), which refuses sequence parallelism with a clear error.
 Losses within 1e-5 of the single-process run and the final delta weights within tests/parity.py's bound.
 """
 
@@ -25,7 +26,8 @@ BITFIT = (str(HERE / "gpt_bitfit_debug.py"), [])
 DORA = ("llama_lora_debug", ['delta.targets=["q_proj","out_proj"]', "delta.dora=True"])
 ADAPTER = (str(HERE / "gpt_adapter_debug.py"), [])
 PREFIX = (str(HERE / "llama_prefix_debug.py"), [])
-DELTAS = {"lora": LORA, "dora": DORA, "bitfit": BITFIT, "adapter": ADAPTER, "prefix": PREFIX}
+PROMPT = (str(HERE / "gpt_prompt_debug.py"), [])
+DELTAS = {"lora": LORA, "dora": DORA, "bitfit": BITFIT, "adapter": ADAPTER, "prefix": PREFIX, "prompt": PROMPT}
 
 DP2, TP2, PP2 = "train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.dist.pipeline_parallel_size=2"
 ZERO3 = ("train.zero_optimization.enabled=True", "train.zero_optimization.stage=3")
@@ -55,6 +57,8 @@ def references(tmp_path_factory):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("kind", list(DELTAS))
 def test_delta_matches_single_process(kind, layout, references, tmp_path):
+    if kind == "prompt" and layout == "tp2-sp":
+        pytest.skip("prompt tuning refuses sequence parallelism (test_prompt_tuning_refuses_sequence_parallelism)")
     config, overrides = DELTAS[kind]
     nproc, layout_overrides = LAYOUTS[layout]
     reference = references(kind)
@@ -95,3 +99,11 @@ def test_lora_checkpoint_holds_only_the_delta_and_resumes_in_another_layout(refe
                        output_dir=out)
     assert other.returncode != 0
     assert "holds a delta trained on another base" in other.stdout + other.stderr
+
+
+def test_prompt_tuning_refuses_sequence_parallelism(tmp_path):
+    config, overrides = PROMPT
+    proc = launch.run(launch.train_command(config, tmp_path / "sp", 2, *PARITY_ARGS, TP2,
+                                           "train.dist.sequence_parallel=True"), output_dir=tmp_path / "sp")
+    assert proc.returncode != 0
+    assert "prompt tuning does not combine with sequence parallelism" in proc.stdout + proc.stderr

@@ -142,7 +142,7 @@ class GPTModel(InitByModule, nn.Module):
             past = 0
             if kv_cache is not None and len(self.blocks):
                 cached = kv_cache.get(next(iter(self.blocks.values())).attn)
-                past = 0 if cached is None else cached[0].shape[2]
+                past = 0 if cached is None else cached[0].shape[2] - getattr(kv_cache, "virtual_tokens", 0)
             if position_ids is None:
                 if past + T > self.max_position_embeddings:
                     raise ValueError(
