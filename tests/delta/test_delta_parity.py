@@ -107,3 +107,9 @@ def test_prompt_tuning_refuses_sequence_parallelism(tmp_path):
                                            "train.dist.sequence_parallel=True"), output_dir=tmp_path / "sp")
     assert proc.returncode != 0
     assert "prompt tuning does not combine with sequence parallelism" in proc.stdout + proc.stderr
+
+
+def test_lora_in_three_dimensions_with_zero3_matches_single_process(references, tmp_path):
+    config, overrides = LORA
+    got = parity_run(tmp_path / "3d", 8, *overrides, DP2, TP2, PP2, *ZERO3, config=config)
+    assert_matches_reference(got, references("lora"), "lora dp2 x tp2 x pp2, ZeRO-3")
