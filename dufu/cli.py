@@ -1,4 +1,4 @@
-"""`dufu` command line: train, configs, preprocess. Argument parsing and error presentation only."""
+"""`dufu` command line: train, plan, configs, preprocess. Argument parsing and error presentation only."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ commands:
                       train; CONFIG is a .py/.yaml file or a packaged recipe name (default: "default");
                       --nproc N starts N processes through torchrun (multi-node: --nnodes, --node-rank,
                       --master-addr, --master-port)
+  plan [CONFIG] [key=value ...] --gpus N --gpu NAME [--gpus-per-node 8] [--json] [--plot FILE.png]
+                      predict per-device peak memory and step time of the config's layout; with `auto` values
+                      (e.g. train.dist.tensor_parallel_size=auto), rank the layouts that fit (dufu plan -h)
   generate SOURCE --prompt TEXT
                       sample text from a run/checkpoint or a Hugging Face directory (dufu generate -h)
   configs             list the packaged recipes
@@ -39,6 +42,22 @@ def load_train_config(config: str | None, overrides: list[str]):
     return LazyConfig.apply_overrides(cfg, overrides)
 
 
+def parse_config_args(parser, argv: list[str], command: str):
+    """(args, config or None, overrides) of a command taking ``CONFIG [key=value ...]``."""
+    args, extra = parser.parse_known_args(argv)
+    overrides = list(args.overrides) + extra
+    # `dufu train train.train_iter=10` (no config): the first positional is an override, not a config.
+    config = args.config
+    if config is not None and "=" in config and not os.path.exists(config):
+        overrides.insert(0, config)
+        config = None
+    unknown_flags = [o for o in overrides if o.startswith("-")]
+    if unknown_flags:
+        raise DufuError(f"unknown option(s) {' '.join(unknown_flags)} for `dufu {command}`; see "
+                        f"`dufu {command} --help`.")
+    return args, config, overrides
+
+
 def cmd_train(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="dufu train", description="Train a model from a config.")
     parser.add_argument("config", nargs="?", default=None,
@@ -56,19 +75,18 @@ def cmd_train(argv: list[str]) -> int:
     parser.add_argument("--max-restarts", type=int, default=None,
                         help="restart a failed job up to N times, resuming from the last complete checkpoint")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.train_iter=100 optim.lr=1e-3")
-    args, extra = parser.parse_known_args(argv)
-    overrides = list(args.overrides) + extra
-    # `dufu train train.train_iter=10` (no config): the first positional is an override, not a config.
-    config = args.config
-    if config is not None and "=" in config and not os.path.exists(config):
-        overrides.insert(0, config)
-        config = None
-    unknown_flags = [o for o in overrides if o.startswith("-")]
-    if unknown_flags:
-        raise DufuError(f"unknown option(s) {' '.join(unknown_flags)} for `dufu train`; see `dufu train --help`.")
+    args, config, overrides = parse_config_args(parser, argv, "train")
     cfg = load_train_config(config, overrides)
     launching = args.nproc is not None and "LOCAL_RANK" not in os.environ
+    nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
+    world_size = args.nproc * nnodes if launching else int(os.environ.get("WORLD_SIZE", 1))
+    notice = os.environ.get("DUFU_PLAN_NOTICE") or resolve_auto(cfg, world_size)  # `auto` layout values
     if launching:
+        if notice:  # the workers run the chosen layout, and say why in their start-up summary
+            from dufu.plan.auto import resolved_overrides
+
+            overrides = overrides + resolved_overrides(cfg)
+            os.environ["DUFU_PLAN_NOTICE"] = notice
         return launch(args, config, overrides, cfg)
     if args.show_config:
         from dufu.config import LazyConfig
@@ -81,9 +99,28 @@ def cmd_train(argv: list[str]) -> int:
     from dufu.parallel.launch import finish_distributed
     from dufu.engine.trainer import Trainer
 
-    Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume).train()
+    Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume, notices=[notice] if notice else ()).train()
     finish_distributed(0)
     return 0
+
+
+def resolve_auto(cfg, world_size: int):
+    """Let the planner choose the layout values left ``auto`` (dufu.plan.auto), in ``cfg``; returns the start-up
+    summary's line about it, or None when the config sets every value (the planner is then not imported)."""
+    from dufu.config.overrides import AUTO_KEYS
+
+    def value(dotted):
+        node = cfg
+        for part in dotted.split("."):
+            node = node.get(part) if hasattr(node, "get") else None
+        return node
+
+    if value("train.dist.auto") is not True and not any(
+            isinstance(v, str) and v.strip().lower() == "auto" for v in map(value, AUTO_KEYS)):
+        return None
+    from dufu.plan.auto import resolve_auto_layout
+
+    return resolve_auto_layout(cfg, world_size)
 
 
 def launch(args, config, overrides, cfg) -> int:
@@ -132,6 +169,72 @@ def run_torchrun(cmd: list[str]) -> int:
     return 0
 
 
+def cmd_plan(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="dufu plan", description="Predict per-device peak memory and step time of a layout, or choose one: "
+        "any of train.dist.{data,tensor,pipeline}_parallel_size, sequence_parallel, virtual_pipeline_size, "
+        "train.train_micro_batch_size, train.zero_optimization.stage, train.activation_checkpoint.enabled may be "
+        "auto (train.dist.auto=True: all of them). See docs/plan.md.")
+    parser.add_argument("config", nargs="?", default=None, help="a .py or .yaml config, or a packaged recipe name")
+    parser.add_argument("--gpus", type=int, default=1, help="devices (processes) the job runs on (default 1)")
+    parser.add_argument("--gpu", default="cpu", help="device type: a100-40gb, a100-80gb, h100-80gb, h200, cpu (this "
+                        "machine, measured) or one from --hardware-file (default cpu)")
+    parser.add_argument("--gpus-per-node", type=int, default=None,
+                        help="devices per node (default: the device's, 8 for the GPUs in the catalog)")
+    parser.add_argument("--hardware-file", action="append", default=[], metavar="FILE",
+                        help="a YAML/JSON file adding devices (also $DUFU_HARDWARE)")
+    parser.add_argument("--json", action="store_true", help='print {"layouts": [...], "best": {...}} as JSON')
+    parser.add_argument("--plot", metavar="FILE.png", default=None,
+                        help="draw the memory breakdown of the top layouts against the device limit")
+    parser.add_argument("--top", type=int, default=10, help="layouts in the table (default 10)")
+    parser.add_argument("--remeasure", action="store_true", help="measure this machine's CPU again (--gpu cpu)")
+    parser.add_argument("overrides", nargs="*", help="config overrides, as for dufu train")
+    args, config, overrides = parse_config_args(parser, argv, "plan")
+    if args.gpus < 1:
+        raise DufuError(f"--gpus {args.gpus}: give the number of devices the job runs on (1 or more).")
+    cfg = load_train_config(config, overrides)
+    from dataclasses import replace
+
+    from dufu.plan import get_hardware, search
+    from dufu.plan.report import breakdown, plot_memory, table, to_json
+
+    hw = get_hardware(args.gpu, args.hardware_file, remeasure=args.remeasure)
+    if args.gpus_per_node:
+        hw = replace(hw, devices_per_node=args.gpus_per_node)
+    plan = search(cfg, args.gpus, hw)
+    if args.json:
+        print(to_json(plan, hw))
+    elif plan.auto:
+        print(f"dufu plan: {args.gpus} x {hw.name}; searched {', '.join(plan.auto)}")
+        print(table(plan, top=args.top))
+        if plan.best is not None:
+            print()
+            print(breakdown(plan.best))
+    else:
+        print(breakdown(plan[0]))
+    if args.plot:
+        print(f"wrote {plot_memory(plan, args.plot)}", file=sys.stderr if args.json else sys.stdout)
+    if plan and plan.best is None:
+        from dufu.errors import LayoutError
+
+        closest = plan[0]
+        over = closest.memory_per_gpu_bytes - closest.memory_limit_bytes
+        what = "the config's layout" if not plan.auto else "no layout fits; the closest"
+        raise LayoutError(
+            f"{what} ({' '.join(closest.layout_summary().split())}) needs {closest.memory_per_gpu_bytes / 2**30:,.1f} "
+            f"GiB per device, {over / 2**30:,.1f} GiB more than the {closest.memory_limit_bytes / 2**30:,.1f} GiB "
+            f"{hw.name} leaves for tensors. Use more devices (--gpus), a device with more memory, ZeRO-3 "
+            "(train.zero_optimization.stage=3), activation checkpointing, or a smaller micro-batch; or set them "
+            "to auto and let dufu plan search."
+        )
+    if not plan:
+        from dufu.errors import LayoutError
+
+        reasons = "; ".join(sorted({why for _, why in plan.rejected})[:3])
+        raise LayoutError(f"no layout of {args.gpus} devices is valid for this model: {reasons}")
+    return 0
+
+
 def cmd_configs(argv: list[str]) -> int:
     from dufu.config import list_recipes, resolve_config_path
 
@@ -157,11 +260,16 @@ def cmd_convert(argv: list[str]) -> int:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--to-hf", metavar="DIR", help="write config.json + model.safetensors for transformers")
     group.add_argument("--to-torch", metavar="FILE", help="write one consolidated state dict (torch.save)")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --to-hf, for a LoRA delta run (written as a PEFT adapter naming its base): write "
+                        "the model with the LoRA updates merged into the weights instead")
     args = parser.parse_args(argv)
     from dufu.engine import convert
 
+    if args.merge and not args.to_hf:
+        raise DufuError("--merge applies to --to-hf (a LoRA delta run written as the merged model).")
     if args.to_hf:
-        out = convert.to_hf(args.checkpoint, args.to_hf)
+        out = convert.to_hf(args.checkpoint, args.to_hf, merge=args.merge)
     else:
         out = convert.to_torch(args.checkpoint, args.to_torch)
     print(f"wrote {out}")
@@ -175,7 +283,7 @@ def cmd_generate(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "configs": cmd_configs, "preprocess": cmd_preprocess, "convert": cmd_convert,
-            "generate": cmd_generate}
+            "generate": cmd_generate, "plan": cmd_plan}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -24,6 +24,16 @@ __all__ = ["apply_overrides", "parse_value"]
 # Settings that are a switch or a named choice: a bool, or a word such as "auto" (the setting's own checks say
 # which words it takes). Any other bool or str key keeps its type.
 SWITCH_OR_CHOICE = frozenset({"train.amp.enabled", "train.compile.enabled"})
+# Layout settings that may be "auto": `dufu plan` searches them and `dufu train` runs the planner's best choice
+# (dufu.plan). Any of them may also be set back from "auto" to a value of its own type.
+AUTO_KEYS = frozenset({
+    "train.dist.data_parallel_size", "train.dist.tensor_parallel_size", "train.dist.pipeline_parallel_size",
+    "train.dist.sequence_parallel", "train.dist.virtual_pipeline_size", "train.train_micro_batch_size",
+    "train.zero_optimization.stage", "train.activation_checkpoint.enabled",
+})
+# Keys a config need not define, with the type an override gives them: train.dist.auto=True lets the planner
+# choose every layout setting above.
+OPTIONAL_KEYS = {"train.dist.auto": bool}
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 _WORDS = {"true": True, "false": False, "null": None, "none": None, "~": None}
 
@@ -159,6 +169,9 @@ def _apply_one(cfg: MutableMapping, item: Any) -> None:
             node[last] = value
             return
         if not found:
+            if key in OPTIONAL_KEYS and isinstance(value, OPTIONAL_KEYS[key]):
+                node[last] = value
+                return
             raise _unknown_key(cfg, key, item)
         node[k] = _coerce(key, node[k], value, raw, item)
         return
@@ -178,6 +191,10 @@ def _apply_one(cfg: MutableMapping, item: Any) -> None:
         f"Override {item!r}: '{parent}' holds a {type(node).__name__} ({_short(node)}), not "
         f"{what}, so '{key}' cannot be set. Override '{parent}' itself, e.g. `{parent}=...`."
     )
+
+
+def _is_auto(value: Any) -> bool:
+    return isinstance(value, str) and value.strip().lower() == "auto"
 
 
 def _short(value: Any, limit: int = 50) -> str:
@@ -201,6 +218,8 @@ def _coerce(key: str, current: Any, value: Any, raw: str, item: str) -> Any:
 
     if key in SWITCH_OR_CHOICE and isinstance(current, (bool, str)) and isinstance(value, (bool, str)):
         return value
+    if key in AUTO_KEYS and (_is_auto(value) or _is_auto(current)):
+        return "auto" if _is_auto(value) else value
     raw_text = raw.strip()
     quote_hint = (
         f"If you mean the text, quote it so it stays a string: {key}=\"'{raw_text}'\"."

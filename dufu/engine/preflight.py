@@ -57,7 +57,9 @@ class RunPlan:
 
 def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     """``resume``: False (a new run; output_dir must not hold one), True (the latest complete checkpoint, which
-    must exist), or "auto" (the latest if there is one: elastic restarts)."""
+    must exist), or "auto" (the latest if there is one: elastic restarts). Layout values left ``auto`` must
+    have been resolved by the planner first (:func:`dufu.plan.auto.resolve_auto_layout`; ``dufu train`` does)."""
+    refuse_auto(cfg)
     validate_config(cfg)
     t = cfg.train
     dims = ParallelDims.from_config(t.dist, world_size)
@@ -84,6 +86,23 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     base_from = None if getattr(model, "delta_info", None) is not None else resume_from
     return RunPlan(dims, batch_sizes, resume_from, tokenizer, train_ds, valid_ds, seq_length, model, stage_ids,
                    pretrained_weights(model, base_from), scheduler, [notice] if notice else [])
+
+
+def refuse_auto(cfg) -> None:
+    """A layout value still ``auto`` here was not given to the planner: say how to get it resolved."""
+    from dufu.config.overrides import AUTO_KEYS
+
+    def value(dotted):
+        node = cfg
+        for part in dotted.split("."):
+            node = node.get(part) if hasattr(node, "get") else None
+        return node
+
+    left = [k for k in sorted(AUTO_KEYS) if isinstance(value(k), str) and value(k).strip().lower() == "auto"]
+    if left or value("train.dist.auto") is True:
+        raise ConfigError(f"{', '.join(left) or 'train.dist.auto=True'}: 'auto' layout values are chosen by the "
+                          "planner, which `dufu train` runs before the workers start; when building a Trainer "
+                          "yourself, call dufu.plan.auto.resolve_auto_layout(cfg, world_size) first.")
 
 
 def preflight(cfg, world_size: int, resume: bool | str = False) -> None:

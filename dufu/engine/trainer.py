@@ -50,14 +50,14 @@ class Trainer:
     """``resume``: False (a new run; output_dir must not hold one), True (continue from the latest
     complete checkpoint), or "auto" (resume if there is a checkpoint, else start over: elastic restarts)."""
 
-    def __init__(self, cfg, resume: bool | str = False, log=print):
+    def __init__(self, cfg, resume: bool | str = False, log=print, notices=()):
         self.cfg = cfg
         self.rank, self.local_rank, self.world_size = env.world_info()
         self.is_main = self.rank == 0
         self.log = log if self.is_main else (lambda *a, **k: None)
         plan = plan_run(cfg, self.world_size, resume)  # every check, before any process group or allocation
         t = cfg.train
-        self.dims, self.resume_from, self.notices = plan.dims, plan.resume_from, plan.notices
+        self.dims, self.resume_from, self.notices = plan.dims, plan.resume_from, list(notices) + plan.notices
         self.micro_batch_size, self.global_batch_size, self.num_accumulation_steps = plan.batch_sizes
         self.tokenizer, self.train_ds, self.valid_ds = plan.tokenizer, plan.train_ds, plan.valid_ds
         self.seq_length, self.tokens_per_step = plan.seq_length, self.global_batch_size * plan.seq_length

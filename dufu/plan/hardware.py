@@ -1,0 +1,286 @@
+"""The devices ``dufu plan`` knows: published figures for GPUs, measured ones for this machine's CPU.
+
+Every number a prediction rests on is here, in one table. Published figures carry their source; the few model
+constants (how close kernels come to those peaks) are not published figures and say so.
+
+=============  ===============  ========  ==========  ======================  ===================================
+name           dense bf16/fp16  memory    HBM         NVLink per GPU          inter-node per GPU
+=============  ===============  ========  ==========  ======================  ===================================
+a100-40gb      312 TFLOP/s      40 GB     1,555 GB/s  300 GB/s (600 both      25 GB/s (DGX A100: 8 x 200 Gb/s
+                                                      directions, NVLink 3)    HDR InfiniBand per node)
+a100-80gb      312 TFLOP/s      80 GB     2,039 GB/s  300 GB/s                25 GB/s
+h100-80gb      989 TFLOP/s      80 GB     3,350 GB/s  450 GB/s (900 both      50 GB/s (DGX H100: 8 x 400 Gb/s
+(SXM)                                                 directions, NVLink 4)    NDR InfiniBand per node)
+h200           989 TFLOP/s      141 GB    4,800 GB/s  450 GB/s                50 GB/s (DGX H200, as DGX H100)
+=============  ===============  ========  ==========  ======================  ===================================
+
+Sources: NVIDIA A100 Tensor Core GPU data sheet (2020/2021; SXM4 figures), NVIDIA DGX A100 data sheet (8 single-
+port ConnectX-6 200 Gb/s HDR InfiniBand for the cluster network), NVIDIA H100 Tensor Core GPU data sheet (SXM5; the
+data sheet's 1,979 TFLOP/s bf16 is with 2:4 sparsity, dense is half), NVIDIA DGX H100 data sheet (8 x ConnectX-7
+400 Gb/s), NVIDIA H200 Tensor Core GPU data sheet (SXM). fp32 peaks are the non-tensor-core figures (19.5 and 67
+TFLOP/s): dufu does not turn on TF32.
+
+``cpu`` is this machine, measured, not looked up (:mod:`dufu.plan.cpu`; about five seconds, once; cached in dufu's
+cache directory, ``plan_hardware.json``, per CPU model, core count and torch version; ``dufu plan --remeasure``
+measures again and keeps the better of each figure):
+
+* matmul throughput of one thread at a few shapes, fp32 and bf16, and of all cores for a large square (the figure
+  :func:`dufu.engine.flops.device_peak_flops` keeps as the best seen);
+* elementwise ops: simple ones (add, mul) and ones with transcendentals (GELU, layer norm, softmax and their
+  backward), which on a CPU run far below memory bandwidth; fused attention as a fraction of the matmul rate;
+  fused AdamW; a large copy (memory bandwidth);
+* the host time of one autograd op (dispatch, not data);
+* gloo's all-reduce latency and bandwidth between two processes, and what memory new from the system costs;
+* a real forward + backward of a small GPT, which calibrates what per-op pricing leaves out.
+
+Adding a device: a YAML or JSON file mapping names to fields (units in the field names), e.g.::
+
+    my-gpu:
+      description: my accelerator
+      bf16_tflops: 400          # dense peak
+      fp32_tflops: 50
+      memory_gb: 96
+      memory_bandwidth_gbs: 3000
+      intra_node_bandwidth_gbs: 400   # per device, one direction
+      inter_node_bandwidth_gbs: 50
+      devices_per_node: 8
+
+passed with ``dufu plan --hardware-file FILE`` or listed in ``$DUFU_HARDWARE`` (paths separated by ``:``); or
+``get_hardware({...})`` / a :class:`Hardware` in Python. Omitted model constants take the GPU defaults.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional, Union
+
+from dufu.errors import ConfigError
+
+GB = 1e9
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """One device (a GPU, or a CPU running one process per "device") and the constants the cost model uses.
+
+    Bandwidths are bytes/s per device and direction; ``peak_flops`` are dense FLOP/s by dtype name."""
+
+    name: str
+    description: str
+    peak_flops: dict  # {"bf16": ..., "fp16": ..., "fp32": ...}
+    memory_bytes: float
+    memory_bandwidth: float
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    devices_per_node: int = 8
+    # ---- model constants (fitted, not published): how close kernels come to the peaks
+    gemm_efficiency: float = 1.0  # a matmul whose every dimension is large runs at the dense peak ...
+    gemm_half_size: float = 300.0  # ... and each dimension d scales that by d / (d + gemm_half_size)
+    # fused attention's fraction of the rate of a matmul of its shape (T x d by d x Tk: the head dim d is small)
+    attention_efficiency: float = 0.45
+    memory_efficiency: float = 0.90  # fraction of memory bandwidth elementwise kernels reach
+    comm_efficiency: float = 0.90  # fraction of link bandwidth collectives reach (NCCL bus bandwidth)
+    op_overhead_s: float = 6e-6  # host time to launch one op (hidden behind device work on GPUs)
+    param_op_overhead_s: float = 0.0  # extra host time of an op on DTensor parameters (tensor parallelism)
+    intra_latency_s: float = 2e-6  # per step of a ring collective inside a node (NCCL's low-latency protocols)
+    inter_latency_s: float = 6e-6  # per step between nodes
+    overlap: float = 0.9  # share of overlappable communication (FSDP/DDP) hidden behind compute
+    reserved_bytes: float = 3e9  # what the runtime keeps (CUDA context, allocator fragmentation)
+    synchronous: bool = False  # True on a CPU: op dispatch and communication are on the critical path
+    cores: int = 0  # CPU: cores the processes share
+    thread_flops: dict = field(default_factory=dict)  # CPU: {threads: {dtype: FLOP/s}} of a large matmul
+    # Elementwise ops (bytes read + written per second). On a GPU they are bound by memory bandwidth alike; on a
+    # CPU an op with transcendentals (GELU's tanh, exp in softmax, a norm's rsqrt) computes slower than memory
+    # feeds it, so the two kinds are measured apart. 0: memory_bandwidth x memory_efficiency.
+    elementwise_bandwidth: float = 0.0
+    transcendental_bandwidth: float = 0.0
+    optimizer_bandwidth: float = 0.0  # fused AdamW's bytes per second (0: memory_bandwidth x memory_efficiency)
+    # CPU: seconds of a real forward + backward of CALIBRATION_MODEL by thread count; the cost model's own
+    # prediction for it turns them into a factor on computation time (what per-op pricing leaves out: caches
+    # cooled by the ops in between, the autograd engine, the allocator)
+    calibration: dict = field(default_factory=dict)
+    # CPU: bytes/s of memory fresh from the system (page faults); paid by every allocation of at least
+    # $MALLOC_MMAP_THRESHOLD_ bytes when that is set in the planning process, as for the runs it predicts
+    page_fault_bandwidth: float = 0.0
+    source: str = ""
+    measured: bool = False
+
+    def peak(self, dtype: str, threads: int = 0) -> float:
+        """Dense peak FLOP/s in ``dtype`` ("fp32", "bf16", "fp16"), for ``threads`` threads on a CPU."""
+        if self.thread_flops and threads:
+            table = self.thread_flops.get(threads) or self.thread_flops.get(str(threads))
+            if table and dtype in table:
+                return table[dtype]
+        return self.peak_flops.get(dtype) or self.peak_flops.get("bf16" if dtype == "fp16" else "fp32")
+
+    def thread_scale(self, threads: int) -> float:
+        """A CPU's speed-up on ``threads`` threads over one (its measured large-matmul ratio); 1 on a GPU."""
+        if not self.thread_flops or threads <= 1:
+            return 1.0
+        one = self.thread_flops.get(1) or self.thread_flops.get("1")
+        many = self.thread_flops.get(threads) or self.thread_flops.get(str(threads))
+        if not one or not many:
+            return 1.0
+        return many["fp32"] / one["fp32"]
+
+    def rates(self, threads: int = 0) -> dict:
+        """Bytes per second of a streaming copy (memory bandwidth), simple and transcendental elementwise ops and
+        the optimizer step."""
+        base = self.memory_bandwidth * self.memory_efficiency
+        scale = self.thread_scale(threads)
+        return {"stream": self.memory_bandwidth * self.memory_efficiency * (scale if not self.cores else 1.0),
+                "elementwise": (self.elementwise_bandwidth or base) * scale,
+                "transcendental": (self.transcendental_bandwidth or self.elementwise_bandwidth or base) * scale,
+                "optimizer": (self.optimizer_bandwidth or base) * scale}
+
+    def describe(self) -> str:
+        bf16 = self.peak("bf16") / TFLOPS
+        return (f"{self.name}: {self.description}; {bf16:,.3g} TFLOP/s bf16, {self.peak('fp32') / TFLOPS:,.3g} fp32, "
+                f"{self.memory_bytes / GB:,.0f} GB at {self.memory_bandwidth / GB:,.0f} GB/s, links "
+                f"{self.intra_node_bandwidth / GB:,.3g} GB/s in a node, {self.inter_node_bandwidth / GB:,.3g} GB/s "
+                f"between nodes")
+
+
+def _gpu(name, description, bf16, fp32, memory_gb, hbm_gbs, nvlink_gbs, ib_gbs, source) -> Hardware:
+    return Hardware(name=name, description=description, peak_flops={"bf16": bf16 * TFLOPS, "fp16": bf16 * TFLOPS,
+                                                                     "fp32": fp32 * TFLOPS},
+                    memory_bytes=memory_gb * GB, memory_bandwidth=hbm_gbs * GB,
+                    intra_node_bandwidth=nvlink_gbs * GB, inter_node_bandwidth=ib_gbs * GB, source=source)
+
+
+CATALOG: dict[str, Hardware] = {
+    h.name: h for h in (
+        _gpu("a100-40gb", "NVIDIA A100 SXM4 40GB in a DGX A100 (8 per node)", 312, 19.5, 40, 1555, 300, 25,
+             "NVIDIA A100 data sheet; DGX A100 data sheet (8 x 200 Gb/s HDR InfiniBand per node)"),
+        _gpu("a100-80gb", "NVIDIA A100 SXM4 80GB in a DGX A100 (8 per node)", 312, 19.5, 80, 2039, 300, 25,
+             "NVIDIA A100 data sheet; DGX A100 data sheet (8 x 200 Gb/s HDR InfiniBand per node)"),
+        _gpu("h100-80gb", "NVIDIA H100 SXM5 80GB in a DGX H100 (8 per node)", 989, 67, 80, 3350, 450, 50,
+             "NVIDIA H100 data sheet (dense = half the 2:4-sparse figure); DGX H100 data sheet (8 x 400 Gb/s)"),
+        _gpu("h200", "NVIDIA H200 SXM 141GB in a DGX H200 (8 per node)", 989, 67, 141, 4800, 450, 50,
+             "NVIDIA H200 data sheet; DGX H200 data sheet (8 x 400 Gb/s)"),
+    )
+}
+ALIASES = {"a100": "a100-80gb", "h100": "h100-80gb", "h100-sxm": "h100-80gb", "h200-141gb": "h200"}
+
+# Field names of a hardware file, in the units people write them in.
+_FILE_UNITS = {
+    "bf16_tflops": ("peak_flops", "bf16", TFLOPS), "fp16_tflops": ("peak_flops", "fp16", TFLOPS),
+    "fp32_tflops": ("peak_flops", "fp32", TFLOPS), "memory_gb": ("memory_bytes", None, GB),
+    "memory_bandwidth_gbs": ("memory_bandwidth", None, GB),
+    "intra_node_bandwidth_gbs": ("intra_node_bandwidth", None, GB),
+    "inter_node_bandwidth_gbs": ("inter_node_bandwidth", None, GB),
+    "reserved_gb": ("reserved_bytes", None, GB),
+}
+
+
+def hardware_from_dict(name: str, entry: dict, origin: str = "") -> Hardware:
+    """A :class:`Hardware` from a file entry (units in the field names, see the module docstring)."""
+    kwargs: dict = {"name": name, "description": entry.get("description", name), "peak_flops": {},
+                    "source": entry.get("source", origin)}
+    known = {f for f in Hardware.__dataclass_fields__}
+    for key, value in entry.items():
+        if key in ("description", "source"):
+            continue
+        if key in _FILE_UNITS:
+            target, sub, unit = _FILE_UNITS[key]
+            if sub:
+                kwargs["peak_flops"][sub] = float(value) * unit
+            else:
+                kwargs[target] = float(value) * unit
+        elif key in known and key not in ("name",):
+            kwargs[key] = value
+        else:
+            raise ConfigError(
+                f"hardware {name!r}{f' in {origin}' if origin else ''}: unknown field {key!r}. Fields: "
+                f"{', '.join(sorted(set(_FILE_UNITS) | known - {'name', 'peak_flops'}))}."
+            )
+    if "bf16" in kwargs["peak_flops"] and "fp16" not in kwargs["peak_flops"]:
+        kwargs["peak_flops"]["fp16"] = kwargs["peak_flops"]["bf16"]
+    missing = [k for k in ("memory_bytes", "memory_bandwidth", "intra_node_bandwidth", "inter_node_bandwidth")
+               if k not in kwargs]
+    if not kwargs["peak_flops"]:
+        missing.insert(0, "bf16_tflops")
+    if missing:
+        names = {v[0]: k for k, v in _FILE_UNITS.items() if v[1] is None}
+        raise ConfigError(
+            f"hardware {name!r}{f' in {origin}' if origin else ''} lacks {', '.join(names.get(m, m) for m in missing)}; "
+            "give its published figures (see dufu/plan/hardware.py for the fields)."
+        )
+    return Hardware(**kwargs)
+
+
+def load_hardware_file(path: Union[str, Path]) -> dict[str, Hardware]:
+    """The devices a YAML or JSON hardware file defines."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text()
+    except OSError as e:
+        raise ConfigError(f"cannot read the hardware file {path}: {e.strerror}. Check the path.") from None
+    try:
+        if path.suffix == ".json":
+            data = json.loads(text)
+        else:
+            import yaml
+
+            data = yaml.safe_load(text)
+    except ValueError as e:
+        raise ConfigError(f"the hardware file {path} is not valid {path.suffix[1:] or 'YAML'}: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"the hardware file {path} must map device names to their figures, e.g. "
+                          "`my-gpu: {bf16_tflops: 400, memory_gb: 96, ...}`.")
+    return {str(k).lower(): hardware_from_dict(str(k).lower(), v or {}, str(path)) for k, v in data.items()}
+
+
+def user_hardware(files: Optional[list] = None) -> dict[str, Hardware]:
+    """Devices from ``files`` and from ``$DUFU_HARDWARE`` (paths separated by os.pathsep)."""
+    paths = list(files or [])
+    env = os.environ.get("DUFU_HARDWARE")
+    if env:
+        paths += [p for p in env.split(os.pathsep) if p]
+    found: dict[str, Hardware] = {}
+    for p in paths:
+        found.update(load_hardware_file(p))
+    return found
+
+
+def known_names(files: Optional[list] = None) -> list[str]:
+    return sorted(set(CATALOG) | {"cpu"} | set(user_hardware(files)))
+
+
+def get_hardware(spec: Union[str, Hardware, dict, None] = "cpu", files: Optional[list] = None,
+                 remeasure: bool = False) -> Hardware:
+    """A device by name (the catalog, ``cpu``, or a user file's entry), a dict of figures, or a Hardware."""
+    if isinstance(spec, Hardware):
+        return spec
+    if isinstance(spec, dict):
+        return hardware_from_dict(spec.get("name", "custom"), {k: v for k, v in spec.items() if k != "name"})
+    name = (spec or "cpu").strip().lower()
+    name = ALIASES.get(name, name)
+    users = user_hardware(files)
+    if name in users:
+        return users[name]
+    if name == "cpu":
+        from dufu.plan.cpu import measured_cpu
+
+        return measured_cpu(remeasure=remeasure)
+    if name in CATALOG:
+        return CATALOG[name]
+    import difflib
+
+    names = known_names(files)
+    close = difflib.get_close_matches(name, names, n=1)
+    raise ConfigError(
+        f"unknown --gpu {spec!r}{f'; did you mean {close[0]!r}?' if close else '.'} Known devices: "
+        f"{', '.join(names)}. Add your own with --hardware-file FILE (YAML/JSON, see docs/plan.md)."
+    )
+
+
+def as_dict(hw: Hardware) -> dict:
+    """The hardware's figures (for --json)."""
+    d = asdict(hw)
+    d["thread_flops"] = {str(k): v for k, v in hw.thread_flops.items()}
+    return d

@@ -1,0 +1,409 @@
+"""Per-rank peak memory of a layout: dufu's mechanisms replayed over the traced step.
+
+What a rank holds at rest (per parameter it owns after tensor/pipeline splitting, fp32 master weights whatever the
+compute dtype, as dufu's autocast keeps them):
+
+* parameters 4 B, gradients 4 B, AdamW's two moments 8 B (Rajbhandari et al. 2020's model states);
+* under ZeRO (FSDP2 ``fully_shard``) all three are shards, 1/dp each. dufu runs stage 1 with stage-2 sharding
+  (:mod:`dufu.parallel.data_parallel`), so stages 1 and 2 hold the same;
+* a last pipeline stage with a tied head keeps its own copy of the embedding (and its gradient and moments); under
+  ZeRO-3 without pipelining the output unit keeps a sharded copy (4/dp B per table entry).
+
+What comes and goes, replayed event by event over the traced step (:mod:`dufu.plan.shapes`), scaled to the
+layout (tensor-parallel kinds, micro-batch size):
+
+* activations (kept for backward) and temporaries (everything else the step allocates: the fp32 logits and their
+  log-softmax, activation gradients, a checkpointed block's recomputation, autocast's low-precision weight copies);
+* gradients as autograd creates them, block by block in backward. With ZeRO, FSDP2 reduce-scatters a unit's
+  gradient when its backward ends (the full-size gradient plus the reduce-scatter buffer exist at that moment),
+  and keeps only the shard; while gradients accumulate over micro-batches it keeps the full-size gradient
+  (``set_requires_gradient_sync(False)``). ``replicate`` (DDP) copies a unit's gradient into an all-reduce buffer
+  and, while gradients accumulate, keeps the accumulated one apart from the one being computed (measured: 4 B more
+  per parameter);
+* communication buffers: FSDP units' gathered parameters (stages 1-2: each block from its forward to its backward,
+  the root unit - embeddings, head, final norm - for the whole step; stage 3: a block during its forward, and
+  during its backward together with the next one, prefetched; the embedding tables only in forward; the output
+  end from its forward to its backward), following :func:`dufu.parallel.data_parallel.apply_fsdp`. Under
+  pipeline parallelism torch's stages keep units gathered for the whole step (``set_reshard_after_backward(False)``);
+* pipeline in-flight micro-batches: a rank's activations of the micro-batches it has run forward but not yet
+  backward: 1F1B stage r holds min(pp - r, m) (Narayanan et al. 2021), GPipe all m, interleaved 1F1B torch's
+  warm-up count ((v - 1) * pp + 2 (pp - r - 1), capped at m v) plus one, in chunks of 1/v of the rank's layers.
+
+The peak is the largest total over the replay of the first micro-batch (no gradients yet) and of a later one
+(gradients of earlier micro-batches present), and the optimizer step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
+from dufu.plan.shapes import ModelInfo, Trace
+
+KEYS = ("parameters", "gradients", "optimizer", "activations", "communication", "pipeline_in_flight", "temporaries")
+
+
+@dataclass
+class RankMemory:
+    """The peak of one pipeline rank (every data/tensor-parallel rank of a stage holds the same)."""
+
+    rank: int
+    peak: float
+    breakdown: dict
+    where: str
+    parts: list = field(default_factory=list)
+    held_params: float = 0.0
+
+
+def rank_parts(info: ModelInfo, layout: Layout, setup: Setup) -> list[list[int]]:
+    """The model parts (indices into ``info.parts``) each pipeline rank holds, in forward order."""
+    from dufu.parallel.pipeline import layer_stage_ids
+
+    pp, v = layout.pipeline_parallel_size, layout.virtual_pipeline_size
+    if pp == 1:
+        return [list(range(len(info.parts)))]
+    stages = pp * v
+    ids = layer_stage_ids(info.num_layers, stages, setup.custom_stage_ids)
+    out = []
+    for r in range(pp):
+        mine = set(range(r, stages, pp))
+        parts = [0] if 0 in mine else []
+        parts += [1 + i for i, s in enumerate(ids) if s in mine]
+        if stages - 1 in mine:
+            parts.append(len(info.parts) - 1)
+        out.append(parts)
+    return out
+
+
+def part_elems(info: ModelInfo, p: int, tp: int) -> float:
+    part = info.parts[p]
+    return part.params - part.tp_split + part.tp_split / tp
+
+
+def in_flight(layout: Layout, rank: int) -> float:
+    """Micro-batches of activations pipeline rank ``rank`` holds at once, in units of its whole share of layers."""
+    pp, m, v = layout.pipeline_parallel_size, layout.num_accumulation_steps, layout.virtual_pipeline_size
+    if pp == 1:
+        return 1.0
+    if layout.pipeline_schedule == "gpipe":
+        return float(m)
+    if layout.pipeline_schedule in MULTI_STAGE_SCHEDULES and v > 1:
+        rounds = max(1, m // pp)
+        per_round = m // rounds
+        warmup = min((v - 1) * per_round + 2 * (pp - 1 - rank), m * v)
+        return (warmup + 1) / v
+    return float(min(pp - rank, m))
+
+
+class _Units:
+    """The FSDP units of one rank's parts and when their parameters are gathered."""
+
+    def __init__(self, info: ModelInfo, parts: list[int], layout: Layout):
+        self.info, self.parts = info, parts
+        tp, stage = layout.tensor_parallel_size, layout.zero_stage
+        last = len(info.parts) - 1
+        self.bytes_of: dict = {}  # unit name -> gathered bytes
+        self.unit_of: dict = {}  # part -> unit name
+        for p in parts:
+            if info.parts[p].kind == "block":
+                self.unit_of[p] = f"block{p}"
+                self.bytes_of[f"block{p}"] = 4.0 * part_elems(info, p, tp)
+        ends = [p for p in parts if info.parts[p].kind != "block"]
+        if stage >= 3:
+            first, lastp = info.parts[0], info.parts[last]
+            if 0 in parts and first.embedding_unit:
+                split = min(first.tp_split, first.embedding_unit)
+                self.bytes_of["embeddings"] = 4.0 * (first.embedding_unit - split + split / tp)
+            if last in parts and lastp.last_unit:
+                split = lastp.last_unit_tp_split
+                self.bytes_of["last"] = 4.0 * (lastp.last_unit - split + split / tp)
+            rest = sum(4.0 * part_elems(info, p, tp) for p in ends)
+            rest -= self.bytes_of.get("embeddings", 0.0)
+            if info.tied and "last" in self.bytes_of and 0 in parts:
+                rest += 4.0 * info.tied_elems / tp  # the head's weight, counted in the first part, is in "last"
+            rest -= self.bytes_of.get("last", 0.0)
+            self.bytes_of["root"] = max(rest, 0.0)
+            if 0 in parts:
+                self.unit_of[0] = "embeddings" if "embeddings" in self.bytes_of else "root"
+            if last in parts:
+                self.unit_of[last] = "last" if "last" in self.bytes_of else "root"
+        else:
+            self.bytes_of["root"] = sum(4.0 * part_elems(info, p, tp) for p in ends)
+            for p in ends:
+                self.unit_of[p] = "root"
+
+
+def estimate_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup) -> tuple[RankMemory, list]:
+    """(the worst rank's peak, every pipeline rank's) for ``layout``."""
+    ranks = []
+    for r, parts in enumerate(rank_parts(info, layout, setup)):
+        ranks.append(_rank_memory(info, trace, layout, setup, r, parts))
+    worst = max(ranks, key=lambda x: x.peak)
+    return worst, ranks
+
+
+def _storage_bytes(trace: Trace, sid: int, layout: Layout) -> float:
+    s = trace.storages[sid]
+    b = layout.micro_batch_size
+    n = s.nbytes[0] + s.nbytes[1] * (b - 1)
+    tp = layout.tensor_parallel_size
+    if s.kind == "feat":
+        n /= tp
+    elif s.kind == "seq" and layout.sequence_parallel and not s.gathered:
+        n /= tp
+    return max(n, 0.0)
+
+
+def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, rank: int,
+                 parts: list[int]) -> RankMemory:
+    tp, dp, pp = layout.tensor_parallel_size, layout.data_parallel_size, layout.pipeline_parallel_size
+    zero = layout.zero_stage
+    m = layout.num_accumulation_steps
+    last = len(info.parts) - 1
+    elems = sum(part_elems(info, p, tp) for p in parts)
+    if info.tied and pp > 1 and last in parts and 0 not in parts:
+        elems += info.tied_elems / tp  # the last stage's own copy of the tied embedding
+    shard = dp if zero else 1
+    static = {k: 0.0 for k in KEYS}
+    static["parameters"] = 4.0 * elems / shard
+    static["optimizer"] = 8.0 * elems / shard
+    if zero >= 3 and info.tied and pp == 1:
+        static["parameters"] += 4.0 * info.tied_elems / tp / dp  # the output unit's sharded copy
+        static["optimizer"] += 0.0  # the copy is left out of the optimizer (TiedCopies)
+    units = _Units(info, parts, layout) if zero else None
+    if zero and pp > 1:
+        static["communication"] += sum(units.bytes_of.values())  # torch's stages keep units gathered
+    cast_cache = trace_dtype_low(setup) and (
+        pp > 1 or (m >= 2 and setup.cache_weight_casts and dp == 1))
+    if cast_cache:
+        static["temporaries"] += sum(_storage_bytes(trace, sid, layout) for sid in _wcast_sids(info, trace, parts))
+    events = _events_by_part(trace)
+    # pass 1: one micro-batch's saved activations (for the in-flight ones)
+    saved_one = _replay(info, trace, layout, parts, events, static, units, accumulated=False, sync=False,
+                        cast_cache=cast_cache, inflight=0.0, saved_only=True)
+    recv = 0.0
+    if pp > 1 and 0 not in parts:
+        first_block = next(p for p in parts if info.parts[p].kind == "block")
+        q = info.mapping[first_block] - 1
+        bnd = trace.boundary.get(q, (0.0, 0.0))
+        recv = bnd[0] + bnd[1] * (layout.micro_batch_size - 1)
+        if layout.sequence_parallel:
+            recv /= tp
+    k = in_flight(layout, rank)
+    inflight = max(k - 1.0, 0.0) * (saved_one + recv)
+    results = []
+    sync_first = m == 1 and pp == 1
+    results.append(_replay(info, trace, layout, parts, events, static, units, accumulated=False, sync=sync_first,
+                           cast_cache=cast_cache, inflight=inflight, recv=recv))
+    if m >= 2 or pp > 1:
+        results.append(_replay(info, trace, layout, parts, events, static, units, accumulated=True,
+                               sync=(pp == 1), cast_cache=cast_cache, inflight=inflight, recv=recv))
+    # the optimizer step: model states with the (reduced) gradients
+    opt = dict(static)
+    opt["gradients"] = 4.0 * elems / shard
+    if zero and pp == 1:
+        opt["communication"] = 0.0
+    results.append((sum(opt.values()), opt, "optimizer step"))
+    peak, breakdown, where = max(results, key=lambda x: x[0])
+    return RankMemory(rank, peak, breakdown, where, parts, elems)
+
+
+def trace_dtype_low(setup: Setup) -> bool:
+    return setup.dtype in ("bf16", "fp16")
+
+
+def _wcast_sids(info: ModelInfo, trace: Trace, parts: list[int]) -> list[int]:
+    traced = {info.mapping[p] for p in parts}
+    sids = []
+    count = {}
+    for p in parts:
+        count[info.mapping[p]] = count.get(info.mapping[p], 0) + 1
+    for part, phase, sign, sid in trace.events:
+        if sign > 0 and part in traced and trace.storages[sid].category == "wcast" and phase == "fwd":
+            sids.extend([sid] * count[part])
+    return sids
+
+
+def _events_by_part(trace: Trace) -> dict:
+    if getattr(trace, "_by_part", None) is None:
+        by: dict = {}
+        for part, phase, sign, sid in trace.events:
+            by.setdefault((part, phase), []).append((sign, sid))
+        trace._by_part = by
+        trace._segments = {}
+    return trace._by_part
+
+
+_COUNTERS = ("saved", "temp", "wcast", "grad")
+
+
+def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool, accumulated: bool) -> tuple:
+    """One traced part's events in one phase, summarised for the replay: (net change per counter, the largest
+    excursion of the total above its starting value, the counters at that moment, the part's own gradients).
+    Computed once per traced part, phase and the layout's sizes."""
+    key = (q, phase, layout.micro_batch_size, layout.tensor_parallel_size, layout.sequence_parallel, cast_cache,
+           accumulated)
+    cache = trace._segments
+    if key in cache:
+        return cache[key]
+    storages = trace.storages
+    run = dict.fromkeys(_COUNTERS, 0.0)
+    best, at = 0.0, dict(run)
+    for sign, sid in trace._by_part.get((q, phase), ()):
+        s = storages[sid]
+        n = _storage_bytes(trace, sid, layout)
+        if s.category == "wcast":
+            if cast_cache:
+                continue
+            k = "wcast"
+        elif s.category == "grad":
+            if accumulated:
+                if sign > 0:  # added to the accumulated gradient, then freed: a moment's extra
+                    value = sum(run.values()) + n
+                    if value > best:
+                        best, at = value, dict(run)
+                        at["temp"] += n
+                continue
+            k = "grad"
+        else:
+            k = "saved" if s.saved else "temp"
+        run[k] += sign * n
+        if sign > 0:
+            value = sum(run.values())
+            if value > best:
+                best, at = value, dict(run)
+    cache[key] = (dict(run), best, at, run["grad"])
+    return cache[key]
+
+
+def _replay(info, trace, layout, parts, events, static, units, *, accumulated: bool, sync: bool, cast_cache: bool,
+            inflight: float, recv: float = 0.0, saved_only: bool = False):
+    """Walk one micro-batch's forward and backward over this rank's parts; returns (peak, breakdown, where), or with
+    ``saved_only`` the activations kept at the end of the forward."""
+    tp, pp, zero = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.zero_stage
+    c = {"saved": 0.0, "temp": 0.0, "wcast": 0.0, "grad": 0.0, "comm": 0.0}
+    base = dict(static)
+    base["pipeline_in_flight"] += inflight
+    last = len(info.parts) - 1
+    elems_total = sum(part_elems(info, p, tp) for p in parts)
+    if info.tied and pp > 1 and last in parts and 0 not in parts:
+        elems_total += info.tied_elems / tp
+    if accumulated:
+        base["gradients"] += 4.0 * elems_total  # the full-size gradients of earlier micro-batches
+        if units is None and layout.data_parallel_size > 1:
+            # replicate (DDP on FSDP2) keeps what earlier micro-batches accumulated apart from the gradient being
+            # computed, summing them when the unit's backward ends (measured: 4 B more per parameter)
+            base["gradients"] += 4.0 * elems_total
+    c["comm"] += recv
+    base_total = sum(base.values())
+    best = [-1.0, None, ""]
+
+    def breakdown(counters: dict, extra: float, extra_key: str) -> dict:
+        bd = dict(base)
+        bd["activations"] += counters["saved"]
+        bd["temporaries"] += counters["temp"] + counters["wcast"]
+        bd["gradients"] += counters["grad"]
+        bd["communication"] += counters["comm"]
+        bd[extra_key] += extra
+        return bd
+
+    def check(where: str, extra: float = 0.0, extra_key: str = "communication") -> None:
+        value = base_total + sum(c.values()) + extra
+        if value > best[0]:
+            best[0], best[1], best[2] = value, breakdown(c, extra, extra_key), where
+
+    gathered: set = set()
+    zero_pp = zero and pp > 1
+
+    def gather(unit: str) -> None:
+        if units is None or zero_pp or unit in gathered:
+            return
+        gathered.add(unit)
+        c["comm"] += units.bytes_of.get(unit, 0.0)
+
+    def release(unit: str) -> None:
+        if units is None or zero_pp or unit not in gathered:
+            return
+        gathered.discard(unit)
+        c["comm"] -= units.bytes_of.get(unit, 0.0)
+
+    part_grads: dict = {}
+    for phase in ("fwd", "bwd"):
+        order = parts if phase == "fwd" else list(reversed(parts))
+        if phase == "fwd" and units is not None and "root" in units.bytes_of:
+            gather("root")
+        for idx, p in enumerate(order):
+            q = info.mapping[p]
+            unit = units.unit_of.get(p) if units is not None else None
+            if unit is not None:
+                if phase == "fwd":
+                    gather(unit)
+                elif zero >= 3 and unit != "embeddings":
+                    gather(unit)
+                    nxt = order[idx + 1] if idx + 1 < len(order) else None
+                    if nxt is not None and info.parts[nxt].kind == "block":
+                        gather(units.unit_of[nxt])  # FSDP2's backward prefetch of the next unit
+            net, excursion, at, grads = _segment(trace, q, phase, layout, cast_cache, accumulated)
+            if not saved_only and excursion > 0:
+                value = base_total + sum(c.values()) + excursion
+                if value > best[0]:
+                    moment = {k: c[k] + at.get(k, 0.0) for k in c}
+                    best[0], best[1] = value, breakdown(moment, 0.0, "communication")
+                    best[2] = f"{'forward' if phase == 'fwd' else 'backward'} of {info.parts[p].name}"
+            for k, v in net.items():
+                c[k] += v
+            if grads:
+                part_grads[p] = part_grads.get(p, 0.0) + grads
+            if phase == "fwd" and saved_only and idx == len(order) - 1:
+                return c["saved"]
+            if phase == "fwd" and unit is not None and zero >= 3 and (
+                    unit == "embeddings" or info.parts[p].kind == "block"):
+                release(unit)
+            if phase == "bwd":
+                _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync, accumulated, parts)
+    if saved_only:
+        return c["saved"]
+    return best[0], best[1], best[2]
+
+
+def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync, accumulated, parts) -> None:
+    """What data parallelism does when part ``p``'s backward ends (see the module docstring)."""
+    dp, zero = layout.data_parallel_size, layout.zero_stage
+    if units is None:
+        if dp > 1 and sync:
+            # replicate (DDP on FSDP2): the unit's gradient is copied into an all-reduce buffer, and the previous
+            # unit's buffer is only released when this one's reduction is issued
+            unit_parts = [p] if info.parts[p].kind == "block" else ([q for q in parts if info.parts[q].kind != "block"]
+                                                                   if p == min(parts) else [])
+            buf = sum(max(part_grads.get(q, 0.0), 0.0) for q in unit_parts)
+            if buf:
+                check(f"end of the backward of {info.parts[p].name} (all-reduce buffers)",
+                      buf + part_grads.get("previous buffer", 0.0))
+                part_grads["previous buffer"] = buf
+        return
+    unit = units.unit_of.get(p)
+    block = info.parts[p].kind == "block"
+    ends_unit = block or (unit == "root" and p == min(parts)) or unit in ("last", "embeddings") or \
+        (unit == "root" and zero < 3 and p == min(parts))
+    if not ends_unit:
+        return
+    if unit == "root":
+        members = [q for q in parts if units.unit_of.get(q) == "root"]
+    else:
+        members = [p]
+    if sync and accumulated:
+        # the last micro-batch: the accumulated full-size gradient goes through the reduce-scatter buffer
+        full = sum(4.0 * part_elems(info, q, layout.tensor_parallel_size) for q in members)
+        check(f"end of the backward of {info.parts[p].name} (reduce-scatter)", full)
+    if sync and not accumulated:
+        grads = sum(max(part_grads.get(q, 0.0), 0.0) for q in members)
+        # FSDP2 copies the unit's gradients into the reduce-scatter input, then keeps this rank's shard
+        check(f"end of the backward of {info.parts[p].name} (reduce-scatter)", grads)
+        for q in members:
+            g = max(part_grads.get(q, 0.0), 0.0)
+            c["grad"] -= g - g / dp
+            part_grads[q] = g / dp
+    if unit != "embeddings" or zero < 3:
+        release(unit)
+    if zero >= 3 and unit == "last":
+        release("last")

@@ -1,0 +1,442 @@
+"""``estimate`` one layout, ``search`` the layouts a config leaves ``auto``.
+
+A search enumerates every combination of the ``auto`` fields (:data:`dufu.plan.layout.AUTO_KEYS`), drops those
+dufu would refuse at start-up (:func:`dufu.parallel.checks.validate_layout`, the same check ``dufu train`` runs,
+with the same message: heads, hidden size, vocabulary, layers per stage, micro-batches per pipeline), estimates the
+rest and ranks those that fit by predicted throughput (tokens, or samples, per second: layouts that differ in
+global batch size are compared fairly). Micro-batch sizes are tried from small to large; once one does not fit,
+the larger ones of that layout are not estimated.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+from dufu.errors import ConfigError, DufuError, LayoutError
+from dufu.plan.hardware import Hardware, get_hardware
+from dufu.plan.layout import AUTO_KEYS, MULTI_STAGE_SCHEDULES, Layout, Setup, is_auto, setup_from_config
+from dufu.plan.memory import KEYS, estimate_memory
+from dufu.plan.shapes import ModelInfo, build_model_info
+from dufu.plan.trace import get_trace
+from dufu.plan.timing import estimate_time
+
+GiB = 1024**3
+
+
+@dataclass
+class Estimate:
+    """The prediction for one layout on one device type."""
+
+    layout: dict
+    memory: dict  # per-rank peak by part (bytes), the worst rank's
+    memory_per_gpu_bytes: int
+    time: dict  # seconds per optimizer step by part
+    step_time_s: float
+    fits: bool
+    world_size: int
+    hardware: str
+    dtype: str
+    tokens_per_step: int
+    tokens_per_s: float
+    samples_per_s: float
+    model_flops_per_step: float  # 6N + 12 L H T per token (dufu's MFU convention), over the global batch
+    model_tflops_per_gpu: float
+    mfu: float
+    hardware_flops_per_gpu_step: float  # what the traced ops compute on the busiest rank, recomputation included
+    memory_limit_bytes: int  # what tensors may use on one device (its memory less what the runtime keeps)
+    peak_where: str
+    memory_by_rank: list = field(default_factory=list)  # per pipeline rank: peak bytes
+    reason: str = ""  # why it is not the best ("slower: ...", "does not fit: ...")
+    notes: list = field(default_factory=list)
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens_per_s
+
+    def layout_summary(self) -> str:
+        from dufu.plan.report import layout_text
+
+        return layout_text(self.layout)
+
+    def as_dict(self) -> dict:
+        return {
+            **self.layout, "step_time_s": self.step_time_s, "memory_per_gpu_bytes": self.memory_per_gpu_bytes,
+            "fits": self.fits, "memory": self.memory, "time": self.time, "tokens_per_s": self.tokens_per_s,
+            "samples_per_s": self.samples_per_s, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
+            "memory_limit_bytes": self.memory_limit_bytes, "peak_where": self.peak_where,
+            "memory_by_rank": self.memory_by_rank, "dtype": self.dtype, "world_size": self.world_size,
+            "hardware": self.hardware, "reason": self.reason,
+        }
+
+
+class Plan(list):
+    """``search``'s result: the estimates, best first, plus the candidates dufu would refuse (``rejected``: (layout
+    dict, reason)) and what the search noticed (``notes``)."""
+
+    def __init__(self, items=(), rejected=None, notes=None, auto=None):
+        super().__init__(items)
+        self.rejected = rejected or []
+        self.notes = notes or []
+        self.auto = auto or []
+
+    @property
+    def best(self) -> Optional[Estimate]:
+        return self[0] if self and self[0].fits else None
+
+
+# ------------------------------------------------------------------------------------------------- helpers
+
+_INFO_CACHE: "OrderedDict[str, ModelInfo]" = OrderedDict()
+
+
+def model_info(cfg) -> ModelInfo:
+    """The model of ``cfg`` (built once per distinct model and sequence settings, kept for a few configs)."""
+    train = cfg.get("dataloader", {}).get("train", {})
+    key = repr(cfg.model) + "|" + repr({k: train.get(k) for k in ("seq_length", "inputs_length", "image_size")
+                                        if hasattr(train, "get")})
+    if key in _INFO_CACHE:
+        _INFO_CACHE.move_to_end(key)
+        return _INFO_CACHE[key]
+    info = build_model_info(cfg)
+    _INFO_CACHE[key] = info
+    while len(_INFO_CACHE) > 6:
+        _INFO_CACHE.popitem(last=False)
+    return info
+
+
+def _get(node, dotted: str):
+    for part in dotted.split("."):
+        node = node[part] if part in node else None
+        if node is None:
+            return None
+    return node
+
+
+def auto_fields(cfg) -> list[str]:
+    """The searchable keys whose value is ``auto``. ``train.dist.auto=True`` makes all of them auto, the micro-batch
+    size only when ``train.global_batch_size`` fixes the batch it divides."""
+    if bool(cfg.train.dist.get("auto", False)) is True:
+        keys = list(AUTO_KEYS)
+        if cfg.train.get("global_batch_size") is None and not is_auto(cfg.train.train_micro_batch_size):
+            keys.remove("train.train_micro_batch_size")
+        return keys
+    return [k for k in AUTO_KEYS if is_auto(_get(cfg, k))]
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _fixed_int(value, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} = {value!r}: use a positive integer or auto.")
+    return value
+
+
+def _dist_cfg(cfg, layout: Layout) -> dict:
+    d = dict(cfg.train.dist)
+    d.update(data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tensor_parallel_size,
+             pipeline_parallel_size=layout.pipeline_parallel_size, sequence_parallel=layout.sequence_parallel,
+             virtual_pipeline_size=layout.virtual_pipeline_size, pipeline_schedule=layout.pipeline_schedule)
+    d.pop("auto", None)
+    return d
+
+
+def check_layout(info: ModelInfo, cfg, layout: Layout) -> None:
+    """Raise LayoutError exactly where ``dufu train`` would, for ``layout`` on ``info``'s model."""
+    from dufu.parallel.checks import validate_layout
+    from dufu.parallel.parallel_dims import ParallelDims
+
+    dims = ParallelDims(layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size,
+                        layout.world_size)
+    zero_cfg = {"enabled": bool(layout.zero_stage), "stage": layout.zero_stage or 1}
+    stage_ids = validate_layout(dims, info.model, _dist_cfg(cfg, layout), zero_cfg, info.seq_length,
+                                layout.num_accumulation_steps)
+    if stage_ids is not None and getattr(type(info.model), "pipeline_loss", None) is None:
+        raise LayoutError(f"{info.name} defines no `pipeline_loss`; use pipeline_parallel_size=1.")
+
+
+def layout_from_config(cfg, world_size: int) -> Layout:
+    """The layout a config without ``auto`` values runs on ``world_size`` processes."""
+    from dufu.engine.validate import resolve_batch_sizes
+    from dufu.parallel.parallel_dims import ParallelDims
+
+    t = cfg.train
+    dims = ParallelDims.from_config(t.dist, world_size)
+    micro = _fixed_int(t.train_micro_batch_size, "train.train_micro_batch_size")
+    micro, global_, accum = resolve_batch_sizes(micro, t.get("global_batch_size"), t.get("num_accumulation_steps"),
+                                                dims.data_parallel_size)
+    zero = t.zero_optimization
+    ckpt = t.activation_checkpoint
+    return Layout(dims.data_parallel_size, dims.tensor_parallel_size, dims.pipeline_parallel_size,
+                  bool(t.dist.get("sequence_parallel", False)), int(t.dist.get("virtual_pipeline_size", 1) or 1),
+                  t.dist.get("pipeline_schedule", "1f1b"), micro, accum, global_,
+                  int(zero.stage) if zero.enabled else 0, ckpt.get("mode", "selective") if ckpt.enabled else False)
+
+
+def _memory_limit(hw: Hardware, world_size: int) -> int:
+    """Bytes tensors may use on one device: its memory less what the runtime keeps; on a CPU the machine's memory
+    is shared by every process of the job."""
+    usable = hw.memory_bytes - hw.reserved_bytes
+    if hw.synchronous:
+        usable /= max(1, min(world_size, hw.devices_per_node))
+    return int(usable)
+
+
+def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_size: int) -> Estimate:
+    """The estimate of a layout already known to be valid."""
+    trace = get_trace(info, setup.dtype, layout.activation_checkpoint or None, "cpu" if hw.synchronous else "cuda")
+    worst, ranks = estimate_memory(info, trace, layout, setup)
+    times, details = estimate_time(info, trace, layout, setup, hw, world_size)
+    step = details["step_time_s"]
+    samples = layout.global_batch_size
+    tokens = samples * info.tokens_per_sample
+    model_flops = info.flops_per_token * tokens
+    peak = hw.peak(setup.dtype, details["threads_per_process"])
+    limit = _memory_limit(hw, world_size)
+    memory = {k: int(round(worst.breakdown.get(k, 0.0))) for k in KEYS}
+    for k in KEYS:  # a part freed by another part's events (stage boundaries) can read a few bytes below zero
+        if memory[k] < 0:
+            memory["temporaries"] += memory[k]
+            memory[k] = 0
+    memory["temporaries"] = max(memory["temporaries"], 0)
+    per_gpu = sum(memory.values())
+    est = Estimate(
+        layout=_layout_dict(layout), memory=memory, memory_per_gpu_bytes=per_gpu, time=times, step_time_s=step,
+        fits=per_gpu <= limit, world_size=world_size, hardware=hw.name, dtype=setup.dtype, tokens_per_step=tokens,
+        tokens_per_s=tokens / step, samples_per_s=samples / step, model_flops_per_step=model_flops,
+        model_tflops_per_gpu=model_flops / step / world_size / 1e12,
+        mfu=model_flops / step / (peak * world_size) if peak else 0.0,
+        hardware_flops_per_gpu_step=details["flops_per_rank_step"], memory_limit_bytes=limit,
+        peak_where=f"pipeline rank {worst.rank}, {worst.where}" if layout.pipeline_parallel_size > 1 else worst.where,
+        memory_by_rank=[int(r.peak) for r in ranks],
+    )
+    if layout.zero_stage == 1:
+        est.notes.append("ZeRO stage 1 runs with stage-2 sharding in dufu (same communication, less memory)")
+    return est
+
+
+def _layout_dict(layout: Layout) -> dict:
+    d = layout.as_dict()
+    return {
+        "data_parallel_size": d["data_parallel_size"], "tensor_parallel_size": d["tensor_parallel_size"],
+        "pipeline_parallel_size": d["pipeline_parallel_size"], "sequence_parallel": d["sequence_parallel"],
+        "virtual_pipeline_size": d["virtual_pipeline_size"], "pipeline_schedule": d["pipeline_schedule"],
+        "micro_batch_size": d["micro_batch_size"], "num_accumulation_steps": d["num_accumulation_steps"],
+        "global_batch_size": d["global_batch_size"], "zero_stage": d["zero_stage"],
+        "activation_checkpoint": d["activation_checkpoint"],
+    }
+
+
+# ------------------------------------------------------------------------------------------------ public API
+
+
+def estimate(cfg, world_size: int, hardware="cpu", hardware_files=None) -> Estimate:
+    """Predict per-rank peak memory and step time of ``cfg``'s layout on ``world_size`` devices of ``hardware``
+    (a name, a dict of figures or a :class:`Hardware`). ``cfg`` is a loaded config with overrides applied and no
+    ``auto`` values (see :func:`search` for those)."""
+    autos = auto_fields(cfg)
+    if autos:
+        raise ConfigError(f"estimate() takes a config without auto values, but {', '.join(autos)} "
+                          f"{'is' if len(autos) == 1 else 'are'} auto; use dufu.plan.search() to choose them.")
+    hw = get_hardware(hardware, hardware_files)
+    info = model_info(cfg)
+    setup = setup_from_config(cfg, hw)
+    layout = layout_from_config(cfg, world_size)
+    check_layout(info, cfg, layout)
+    return evaluate(info, setup, layout, hw, world_size)
+
+
+def search(cfg, world_size: int, hardware="cpu", hardware_files=None, max_micro_batch: int = 1024) -> Plan:
+    """Every valid layout for the ``auto`` fields of ``cfg`` on ``world_size`` devices, best first (fitting ones by
+    predicted throughput, then the others by memory); without ``auto`` fields, the config's own layout alone."""
+    hw = get_hardware(hardware, hardware_files)
+    info = model_info(cfg)
+    setup = setup_from_config(cfg, hw)
+    autos = auto_fields(cfg)
+    if not autos:
+        layout = layout_from_config(cfg, world_size)
+        check_layout(info, cfg, layout)
+        est = evaluate(info, setup, layout, hw, world_size)
+        if not est.fits:
+            est.reason = _miss(est)
+        return Plan([est], auto=[])
+    rejected, estimates, notes = [], [], []
+    for structure in _structures(cfg, world_size, autos, info):
+        checked = False
+        for mb_layout in _with_micro_batches(cfg, structure, autos, setup, max_micro_batch, rejected):
+            try:
+                if not checked:
+                    # everything but the micro-batch count once per structure (heads, vocabulary, layers ...)
+                    check_layout(info, cfg, replace(mb_layout, num_accumulation_steps=64 * mb_layout.pipeline_parallel_size))
+                    checked = True
+                if _pipeline_counts_differ(mb_layout):
+                    check_layout(info, cfg, mb_layout)
+            except DufuError as e:
+                rejected.append((_layout_dict(mb_layout), " ".join(str(e).split())))
+                if not checked:
+                    break
+                continue
+            est = evaluate(info, setup, mb_layout, hw, world_size)
+            estimates.append(est)
+            if not est.fits:
+                break  # a larger micro-batch only needs more memory
+    fitting = sorted((e for e in estimates if e.fits), key=lambda e: -e.tokens_per_s)
+    others = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_per_gpu_bytes)
+    if fitting:
+        best = fitting[0]
+        best.reason = "best"
+        for e in fitting[1:]:
+            detail = explain(e, best)
+            e.reason = (f"slower: {e.tokens_per_s / best.tokens_per_s:.2f}x the best's throughput"
+                        + (f" ({detail})" if detail else ""))
+    for e in others:
+        e.reason = _miss(e)
+    if not estimates and rejected:
+        notes.append("no candidate layout is valid for this model and world size")
+    if any(e.layout["zero_stage"] for e in estimates) and "train.zero_optimization.stage" in autos:
+        notes.append("ZeRO stage 1 is not searched: dufu runs it with stage-2 sharding, so it equals stage 2")
+    return Plan(fitting + others, rejected=rejected, notes=notes, auto=autos)
+
+
+_TIME_WORDS = {"compute": "compute", "tp_comm": "tensor-parallel communication",
+               "dp_comm_exposed": "data-parallel communication not hidden", "bubble": "pipeline bubble",
+               "p2p": "pipeline point-to-point", "optimizer": "optimizer step"}
+
+
+def explain(worse: Estimate, best: Estimate) -> str:
+    """Why ``worse`` is slower than ``best``: the (at most two) parts of the step time that differ most."""
+    def sec(s: float) -> str:
+        return f"{s:,.2f} s" if s >= 1 else f"{s * 1e3:,.1f} ms"
+
+    diffs = []
+    for key, words in _TIME_WORDS.items():
+        d = worse.time.get(key, 0.0) - best.time.get(key, 0.0)
+        if abs(d) > 0.01 * best.step_time_s:
+            diffs.append((abs(d), key, words))
+    diffs.sort(reverse=True)
+    return "; ".join(f"{words} {sec(worse.time.get(k, 0.0))} vs {sec(best.time.get(k, 0.0))}"
+                     for _, k, words in diffs[:2])
+
+
+def _pipeline_counts_differ(layout: Layout) -> bool:
+    """Whether the micro-batch count alone may make ``validate_layout`` refuse the layout."""
+    pp, m = layout.pipeline_parallel_size, layout.num_accumulation_steps
+    if pp == 1:
+        return False
+    return m < pp or (layout.pipeline_schedule in MULTI_STAGE_SCHEDULES and m % pp != 0)
+
+
+def _miss(e: Estimate) -> str:
+    over = e.memory_per_gpu_bytes - e.memory_limit_bytes
+    return (f"does not fit: {e.memory_per_gpu_bytes / GiB:,.1f} GiB per device, {over / GiB:,.1f} GiB over the "
+            f"{e.memory_limit_bytes / GiB:,.1f} GiB available")
+
+
+def _structures(cfg, world_size: int, autos: list[str], info: ModelInfo):
+    """Candidate (dp, tp, pp, sp, v, schedule, zero, checkpoint) tuples, micro-batch still open."""
+    t = cfg.train
+    d = t.dist
+
+    def options(key: str, fixed, candidates):
+        return candidates if key in autos else [fixed]
+
+    tps = options("train.dist.tensor_parallel_size", d.get("tensor_parallel_size", 1), _divisors(world_size))
+    pps = options("train.dist.pipeline_parallel_size", d.get("pipeline_parallel_size", 1),
+                  [p for p in _divisors(world_size) if p <= max(info.num_layers, 1)])
+    dps = options("train.dist.data_parallel_size", d.get("data_parallel_size", 1), [None])
+    schedule = d.get("pipeline_schedule", "1f1b")
+    zero = t.zero_optimization
+    zeros = options("train.zero_optimization.stage", int(zero.stage) if zero.enabled else 0, [0, 2, 3])
+    mode = t.activation_checkpoint.get("mode", "selective")
+    ckpts = options("train.activation_checkpoint.enabled", mode if t.activation_checkpoint.enabled is True else False,
+                    [False, mode])
+    for tp, pp, dp_value in itertools.product(tps, pps, dps):
+        if any(is_auto(x) for x in (tp, pp)):
+            continue
+        tp, pp = _fixed_int(tp, "train.dist.tensor_parallel_size"), _fixed_int(pp, "train.dist.pipeline_parallel_size")
+        if tp == -1 or pp == -1 or dp_value in (None, -1) or is_auto(dp_value):
+            known = tp * pp if tp > 0 and pp > 0 else None
+            if known is None:
+                # one of tp/pp inferred (-1): the data-parallel size must be given
+                dp = _fixed_int(dp_value, "train.dist.data_parallel_size")
+                rest = world_size // dp if world_size % dp == 0 else 0
+                if tp == -1:
+                    tp = rest // pp if pp > 0 and rest % pp == 0 else 0
+                else:
+                    pp = rest // tp if tp > 0 and rest % tp == 0 else 0
+                if not tp or not pp:
+                    continue
+            elif world_size % known:
+                continue
+            else:
+                dp = world_size // known
+        else:
+            dp = _fixed_int(dp_value, "train.dist.data_parallel_size")
+            if dp * tp * pp != world_size:
+                continue
+        sps = options("train.dist.sequence_parallel", bool(d.get("sequence_parallel", False)),
+                      [False, True] if tp > 1 else [False])
+        if "train.dist.virtual_pipeline_size" in autos:
+            vs = [1] + ([v for v in range(2, 9) if info.num_layers % (pp * v) == 0] if pp > 1 else [])
+        else:
+            vs = [int(d.get("virtual_pipeline_size", 1) or 1)]
+        for sp, v, z, ck in itertools.product(sps, vs, zeros if dp > 1 else [0], ckpts):
+            if is_auto(v):
+                continue
+            sched = schedule
+            if "train.dist.virtual_pipeline_size" in autos:
+                if v > 1 and schedule not in MULTI_STAGE_SCHEDULES:
+                    sched = "interleaved_1f1b"
+                elif v == 1 and schedule in MULTI_STAGE_SCHEDULES:
+                    sched = "1f1b"
+            yield dict(dp=dp, tp=tp, pp=pp, sp=bool(sp), v=int(v), schedule=sched, zero=int(z), ckpt=ck)
+
+
+def _with_micro_batches(cfg, s: dict, autos: list[str], setup: Setup, max_micro: int, rejected: list):
+    """The structure's layouts with each micro-batch size to try, small to large."""
+    from dufu.engine.validate import resolve_batch_sizes
+
+    t = cfg.train
+    dp = s["dp"]
+    global_ = setup.global_batch_size
+    if "train.train_micro_batch_size" in autos:
+        if global_ is None:
+            raise ConfigError(
+                "train.train_micro_batch_size=auto needs a fixed global batch to divide: set "
+                "train.global_batch_size (e.g. train.global_batch_size=512), so every layout trains the same batch."
+            )
+        if global_ % dp:
+            rejected.append(({"data_parallel_size": dp, "tensor_parallel_size": s["tp"],
+                              "pipeline_parallel_size": s["pp"]},
+                             f"global batch {global_} is not divisible by data_parallel_size {dp}"))
+            return
+        micros = [mb for mb in _divisors(global_ // dp) if mb <= max_micro]
+    else:
+        micros = [_fixed_int(t.train_micro_batch_size, "train.train_micro_batch_size")]
+    for mb in micros:
+        try:
+            micro, g, accum = resolve_batch_sizes(mb, global_, setup.num_accumulation_steps
+                                                  if global_ is None else None, dp)
+        except DufuError as e:
+            rejected.append(({"data_parallel_size": dp, "micro_batch_size": mb}, " ".join(str(e).split())))
+            continue
+        yield Layout(dp, s["tp"], s["pp"], s["sp"], s["v"], s["schedule"], micro, accum, g, s["zero"], s["ckpt"])
+
+
+def apply_layout(cfg, layout_dict: dict):
+    """A copy of ``cfg`` with the concrete values of ``layout_dict`` (an Estimate's ``layout``)."""
+    from dufu.config import LazyConfig
+
+    cfg = copy.deepcopy(cfg)
+    if "auto" in cfg.train.dist:
+        cfg.train.dist["auto"] = False
+    layout = Layout(**layout_dict)
+    overrides = layout.overrides()
+    if cfg.train.get("global_batch_size") is None:
+        overrides.append(f"train.num_accumulation_steps={layout.num_accumulation_steps}")
+    return LazyConfig.apply_overrides(cfg, overrides)

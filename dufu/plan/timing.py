@@ -1,0 +1,339 @@
+"""Step time of a layout: the traced step's ops priced on a device, plus the communication the layout adds.
+
+Per op of the traced step (:mod:`dufu.plan.shapes`), on the rank's share of the work:
+
+* a matrix multiply of (m x k) by (k x n) takes ``2 m n k / (peak x e x f(m) f(n) f(k))``, f(d) = d / (d + d0)
+  (or its bytes at memory bandwidth, if more: a roofline):
+  ``e`` is how close a large GEMM comes to the dense peak and ``d0`` how fast small dimensions lose efficiency
+  (tiles that are not filled, waves that are not whole; Nvidia's "Matrix Multiplication Background" guide);
+  tensor parallelism divides n (column-parallel) or k (row-parallel) by tp;
+* fused attention (FlashAttention, Dao 2023; torch's SDPA kernels) does 4 B h T Tk d FLOPs forward (halved by a
+  causal mask, whose masked blocks the kernels skip) and 2.5 times that backward (it recomputes the scores), at the
+  matmul rate of its (T, Tk, d) shape; heads are divided by tp;
+* every other op moves its inputs and outputs through memory once: bytes / (bandwidth x efficiency);
+* each op costs host time to dispatch (``op_overhead_s``; more for ops on DTensor parameters under tensor
+  parallelism). On a GPU the host runs ahead and only the larger of host and device time counts; on a CPU both
+  add up.
+
+Communication (ring algorithms, Thakur et al. 2005; NCCL's bus-bandwidth convention): an all-reduce of S bytes
+over n ranks moves 2 (n-1)/n S per rank, an all-gather or reduce-scatter (n-1)/n S, each step paying a latency.
+A group inside one node runs at NVLink bandwidth, one across nodes at min(NVLink, k x the per-GPU network
+bandwidth) for k members per node (NCCL drives every node's NICs in parallel).
+
+* tensor parallelism: the collectives :class:`dufu.plan.shapes.LinearCall` lists, on the critical path;
+* data parallelism: DDP all-reduces the fp32 gradients once per step; ZeRO gathers each FSDP unit's fp32
+  parameters (stages 1-2 once per micro-batch, stage 3 in forward and again in backward) and reduce-scatters the
+  gradients once per step (on gloo as an in-place all-reduce, :class:`dufu.parallel.data_parallel.
+  InPlaceReduceScatter`). On GPUs these overlap the computation (``overlap``; the last unit's reduction cannot);
+  under pipeline parallelism torch reduces after the last micro-batch, so nothing hides it;
+* pipeline parallelism: each micro-batch sends its activations forward and their gradients back at every stage
+  boundary; 1F1B and GPipe take (m + pp - 1) slots of the slowest stage's forward + backward, interleaved 1F1B
+  with v chunks m + (pp - 1) / v (Narayanan et al. 2021, eq. 1 and 2).
+
+The optimizer step (fused AdamW, and the gradient-norm clip) streams the rank's parameters, gradients and moments
+through memory: 4 + 4 + 8 bytes read and 4 + 8 written per parameter it updates.
+
+On a CPU running several processes, each gets one thread (torchrun's default; ``OMP_NUM_THREADS`` of the planning
+process overrides it), and processes beyond the number of cores share them: every time is multiplied by processes /
+cores. Computation is multiplied by the calibration factor (:func:`calibration_factor`), and with
+``MALLOC_MMAP_THRESHOLD_`` set every large allocation pays its page faults.
+"""
+
+from __future__ import annotations
+
+import os
+
+from dufu.plan.hardware import Hardware
+from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
+from dufu.plan.memory import part_elems, rank_parts
+from dufu.plan.shapes import ModelInfo, Trace
+
+
+_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def lin(pair, b: int) -> float:
+    return pair[0] + pair[1] * (b - 1)
+
+
+class Pricer:
+    """Prices the traced ops for one layout on one device."""
+
+    def __init__(self, info: ModelInfo, trace: Trace, layout: Layout, hw: Hardware, world_size: int,
+                 compiled: bool = False, calibrate: bool = True):
+        self.info, self.trace, self.layout, self.hw = info, trace, layout, hw
+        self.compiled = compiled
+        self.page_faults = True
+        self.tp = layout.tensor_parallel_size
+        self.b = layout.micro_batch_size
+        if hw.cores:
+            # torchrun gives every worker one thread; one process takes all cores, unless OMP_NUM_THREADS (the
+            # planning process's, e.g. a benchmark that pins it for its runs) says otherwise
+            omp = os.environ.get("OMP_NUM_THREADS", "")
+            self.threads = (min(int(omp), hw.cores) if omp.isdigit() and int(omp) > 0
+                            else hw.cores if world_size == 1 else 1)
+            self.share = max(1.0, world_size * self.threads / hw.cores)
+        else:
+            self.threads, self.share = 0, 1.0
+        self.rates = hw.rates(self.threads)
+        self._cache: dict = {}
+        self.calibration = calibration_factor(hw, self.threads) if hw.calibration and calibrate else 1.0
+
+    def rate(self, dtype: str, m: float, n: float, k: float) -> float:
+        d0 = self.hw.gemm_half_size
+        f = (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
+        return self.hw.peak(dtype, self.threads) * self.hw.gemm_efficiency * f
+
+    def _fresh_pages(self, q: int, phase: str) -> float:
+        """Seconds of page faults when glibc hands large allocations back to the system
+        (``MALLOC_MMAP_THRESHOLD_`` set): every allocation of at least that size is new memory."""
+        threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+        if not (self.page_faults and self.hw.page_fault_bandwidth and threshold.isdigit()):
+            return 0.0
+        from dufu.plan.memory import _events_by_part, _storage_bytes
+
+        fresh = 0.0
+        for sign, sid in _events_by_part(self.trace).get((q, phase), ()):
+            if sign > 0:
+                n = _storage_bytes(self.trace, sid, self.layout)
+                fresh += n if n >= int(threshold) else 0.0
+        return fresh / self.hw.page_fault_bandwidth
+
+    def part(self, q: int, phase: str) -> tuple[float, float]:
+        """(compute seconds, FLOPs) of traced part ``q``'s ``phase`` for one micro-batch."""
+        key = (q, phase)
+        if key in self._cache:
+            return self._cache[key]
+        ops = self.trace.ops.get(key)
+        if ops is None:
+            self._cache[key] = (0.0, 0.0)
+            return self._cache[key]
+        b, tp = self.b, self.tp
+        t_dev, flops = 0.0, 0.0
+        for g in ops.gemms:
+            m, n, k, batch = lin(g.m, b), lin(g.n, b), lin(g.k, b), lin(g.batch, b)
+            if g.split == "n":
+                n = n / tp
+            elif g.split == "k":
+                k = k / tp
+            f = 2.0 * m * n * k * batch
+            flops += f
+            # a roofline: a matmul also reads its operands and writes its output (a weight gradient of a few
+            # tokens moves more bytes than it computes)
+            moved = (m * k + k * n + m * n) * batch * _BYTES.get(g.dtype, 4)
+            t_dev += max(f / self.rate(g.dtype, m, n, k), moved / self.rates["stream"])
+        for a in ops.attention:
+            heads = a.heads / tp if a.split else a.heads
+            f = 4.0 * lin(a.batch, b) * heads * a.t * a.tk * a.d
+            if a.backward:
+                f *= 2.5
+            flops += f
+            work = f * (0.5 if a.causal and a.t == a.tk else 1.0)
+            t_dev += work / (self.rate(a.dtype, a.t, a.tk, a.d) / self.hw.gemm_efficiency * self.hw.attention_efficiency)
+        for kind, pair in (ops.fused if self.compiled else ops.traffic).items():
+            v, heavy = max(lin(pair, b), 0.0), max(lin(ops.heavy[kind], b), 0.0)
+            if self.compiled:  # fused kernels: what remains is memory traffic
+                heavy = 0.0
+            heavy = min(heavy, v)
+            if kind == "feat" or (kind == "seq" and self.layout.sequence_parallel):
+                v, heavy = v / tp, heavy / tp
+            t_dev += (v - heavy) / self.rates["elementwise"] + heavy / self.rates["transcendental"]
+        t_dev += self._fresh_pages(q, phase)
+        host = (ops.ops + 0.5 * ops.views) * self.hw.op_overhead_s
+        if tp > 1:
+            host += ops.param_ops * self.hw.param_op_overhead_s
+        t = t_dev + host if self.hw.synchronous else max(t_dev, host)
+        self._cache[key] = (t * self.share * self.calibration, flops)
+        return self._cache[key]
+
+
+_CALIBRATION: dict = {}
+
+
+def calibration_factor(hw: Hardware, threads: int) -> float:
+    """Measured / predicted time of the calibration step (:data:`dufu.plan.cpu.CALIBRATION_MODEL`) on one thread:
+    what a real step costs beyond the per-op prices, taken to hold on every thread count (one thread's readings
+    hold still on a shared machine, several threads' do not). Computed once per device."""
+    measured = hw.calibration.get(1) or hw.calibration.get("1")
+    if not measured:
+        return 1.0
+    key = (hw.name, measured)
+    if key not in _CALIBRATION:
+        from dufu.config import LazyConfig, resolve_config_path
+        from dufu.plan.cpu import CALIBRATION_BATCH, CALIBRATION_MODEL
+        from dufu.plan.layout import Layout
+        from dufu.plan.shapes import build_model_info
+        from dufu.plan.trace import get_trace
+
+        cfg = LazyConfig.load(str(resolve_config_path("gpt_debug")))
+        b, t = CALIBRATION_BATCH
+        cfg.model.update(CALIBRATION_MODEL)
+        cfg.dataloader.train.seq_length = t
+        info = build_model_info(cfg)
+        trace = get_trace(info, "fp32", None, "cpu")
+        layout = Layout(1, 1, 1, False, 1, "1f1b", b, 1, b, 0, False)
+        pricer = Pricer(info, trace, layout, hw, 2, calibrate=False)
+        pricer.threads, pricer.share, pricer.page_faults = 1, 1.0, False  # measured in the probing process
+        pricer.rates = hw.rates(1)
+        predicted = sum(pricer.part(info.mapping[p], phase)[0] for p in range(len(info.parts))
+                        for phase in ("fwd", "bwd"))
+        _CALIBRATION[key] = max(1.0, measured / predicted) if predicted > 0 else 1.0
+    return _CALIBRATION[key]
+
+
+def collective(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
+    """Seconds of one ring collective of ``nbytes`` (the full tensor) over ``n`` ranks."""
+    if n <= 1 or nbytes <= 0:
+        return 0.0
+    if kind == "all_reduce":
+        return 2.0 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
+    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
+
+
+def group_link(hw: Hardware, size: int, stride: int) -> tuple[float, float]:
+    """(bandwidth, latency per step) of a group of ``size`` ranks ``stride`` apart (ranks fill nodes in order)."""
+    per_node = hw.devices_per_node
+    if size * stride <= per_node:
+        return hw.intra_node_bandwidth * hw.comm_efficiency, hw.intra_latency_s
+    members_per_node = max(1, per_node // stride)
+    bw = min(hw.intra_node_bandwidth, hw.inter_node_bandwidth * members_per_node)
+    return bw * hw.comm_efficiency, hw.inter_latency_s
+
+
+def tp_comm(trace: Trace, q: int, layout: Layout, hw: Hardware, share: float) -> tuple[float, float]:
+    """(forward, backward) seconds of tensor-parallel collectives of traced part ``q`` for one micro-batch."""
+    tp = layout.tensor_parallel_size
+    if tp == 1:
+        return 0.0, 0.0
+    bw, lat = group_link(hw, tp, 1)
+    b, sp = layout.micro_batch_size, layout.sequence_parallel
+    fwd = bwd = 0.0
+    for lc in trace.linears:
+        if lc.part != q:
+            continue
+        out, inp, grad = lin(lc.out_bytes, b), lin(lc.in_bytes, b), lin(lc.grad_in_bytes, b)
+        if lc.style in ("row", "vocab"):
+            t = collective("reduce_scatter" if sp else "all_reduce", out, tp, bw, lat)
+            if lc.recomputed:
+                bwd += t
+                continue
+            fwd += t
+            if sp:
+                bwd += collective("all_gather", out, tp, bw, lat)
+        elif lc.style == "col":
+            gather = collective("all_gather", inp, tp, bw, lat) if sp and (lc.gathers_input or lc.head) else 0.0
+            if lc.recomputed:
+                bwd += gather
+                continue
+            fwd += gather
+            if sp and lc.head:
+                bwd += collective("reduce_scatter", grad, tp, bw, lat)
+            else:
+                bwd += collective("all_reduce", grad, tp, bw, lat)
+    return fwd * share, bwd * share
+
+
+def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, hw: Hardware,
+                  world_size: int) -> tuple[dict, dict]:
+    """(seconds per optimizer step by part, details) for ``layout``; see the module docstring."""
+    pricer = Pricer(info, trace, layout, hw, world_size, compiled=setup.compiled_on(hw))
+    tp, dp, pp, v = (layout.tensor_parallel_size, layout.data_parallel_size, layout.pipeline_parallel_size,
+                     layout.virtual_pipeline_size)
+    m, b = layout.num_accumulation_steps, layout.micro_batch_size
+    share = pricer.share
+    per_rank = []
+    flops_total = 0.0
+    p2p_bw, p2p_lat = group_link(hw, 2, dp * tp)
+    if pp * dp * tp <= hw.devices_per_node:
+        p2p_bw, p2p_lat = hw.intra_node_bandwidth * hw.comm_efficiency, hw.intra_latency_s
+    all_parts = rank_parts(info, layout, setup)
+    for r, parts in enumerate(all_parts):
+        comp_f = comp_b = comm_f = comm_b = 0.0
+        fl = 0.0
+        for p in parts:
+            q = info.mapping[p]
+            tf, ff = pricer.part(q, "fwd")
+            tb, fb = pricer.part(q, "bwd")
+            cf, cb = tp_comm(trace, q, layout, hw, share)
+            comp_f, comp_b, comm_f, comm_b = comp_f + tf, comp_b + tb, comm_f + cf, comm_b + cb
+            fl += ff + fb
+        p2p = 0.0
+        if pp > 1:
+            sends = 0
+            for p in parts:
+                if info.parts[p].kind == "block" and p - 1 not in parts:
+                    bnd = trace.boundary.get(info.mapping[p] - 1, (0.0, 0.0))
+                    nbytes = lin(bnd, b) / (tp if layout.sequence_parallel else 1)
+                    p2p += 2 * (nbytes / p2p_bw + p2p_lat)  # activation in, its gradient back
+                    sends += 1
+            p2p *= share
+        per_rank.append(dict(compute_f=comp_f, compute_b=comp_b, tp_f=comm_f, tp_b=comm_b, p2p=p2p, flops=fl))
+        flops_total = max(flops_total, fl)
+    # the slowest pipeline rank sets the pace
+    slot = [r["compute_f"] + r["compute_b"] + r["tp_f"] + r["tp_b"] + r["p2p"] for r in per_rank]
+    worst = max(range(len(per_rank)), key=lambda i: slot[i])
+    w = per_rank[worst]
+    t_slot = slot[worst]
+    if pp > 1 and layout.pipeline_schedule in MULTI_STAGE_SCHEDULES and v > 1:
+        bubble = (pp - 1) / v * t_slot
+    elif pp > 1:
+        bubble = (pp - 1) * t_slot
+    else:
+        bubble = 0.0
+    compute = m * (w["compute_f"] + w["compute_b"])
+    tp_time = m * (w["tp_f"] + w["tp_b"])
+    # point-to-point: asynchronous sends overlap the steady state's computation (on GPUs); the pipeline's fill
+    # and drain wait for them (already in the bubble's slots)
+    p2p = m * w["p2p"] * (1.0 - hw.overlap)
+    # data parallelism, per step, on the worst-memory rank's parameters (the largest stage)
+    dp_comm = dp_exposed = 0.0
+    if dp > 1:
+        bw, lat = group_link(hw, dp, tp)
+        parts = all_parts[worst]
+        elems = sum(part_elems(info, p, tp) for p in parts)
+        last = len(info.parts) - 1
+        if info.tied and pp > 1 and last in parts and 0 not in parts:
+            elems += info.tied_elems / tp
+        grad_bytes = 4.0 * elems
+        units = sum(1 for p in parts if info.parts[p].kind == "block") + 1
+        zero = layout.zero_stage
+        gloo = hw.synchronous
+        reduce_kind = "all_reduce" if (not zero or gloo) else "reduce_scatter"
+        reduce = collective(reduce_kind, grad_bytes, dp, bw, 0.0) + units * 2 * (dp - 1) * lat
+        gather_one = collective("all_gather", grad_bytes, dp, bw, 0.0) + units * (dp - 1) * lat if zero else 0.0
+        if zero and pp > 1:
+            gathers_fwd, gathers_bwd = 1, (m if zero >= 3 else 0)
+        elif zero:
+            gathers_fwd, gathers_bwd = m, (m if zero >= 3 else 0)
+        else:
+            gathers_fwd = gathers_bwd = 0
+        reduce *= share
+        gather_one *= share
+        dp_comm = reduce + gather_one * (gathers_fwd + gathers_bwd)
+        if pp > 1:
+            # torch's stages reduce after the last micro-batch; gathers overlap the forward
+            hidden = hw.overlap * min(gather_one * (gathers_fwd + gathers_bwd), compute)
+            dp_exposed = dp_comm - hidden
+        else:
+            last_unit = 1.0 / units
+            fwd_window = m * w["compute_f"]
+            bwd_window = m * w["compute_b"]
+            g_f, g_b = gather_one * gathers_fwd, gather_one * gathers_bwd
+            hidden = hw.overlap * (min(g_f * (1 - last_unit), fwd_window)
+                                   + min((g_b + reduce) * (1 - last_unit), bwd_window))
+            dp_exposed = max(dp_comm - hidden, 0.0)
+    # accumulating gradients over micro-batches adds each new one to the kept one (12 bytes per parameter)
+    parts = all_parts[worst]
+    elems = sum(part_elems(info, p, tp) for p in parts)
+    compute += (m - 1) * 12.0 * elems / pricer.rates["elementwise"] * share
+    # the optimizer step: fused AdamW and the gradient-norm clip stream the owned state through memory
+    owned = elems / (dp if layout.zero_stage else 1)
+    optimizer = (28.0 * owned / pricer.rates["optimizer"]
+                 + (4.0 * owned / pricer.rates["elementwise"] if setup.clip_grad else 0.0)
+                 + 40 * hw.op_overhead_s) * share
+    step = compute + tp_time + p2p + bubble + dp_exposed + optimizer
+    times = {"compute": compute, "tp_comm": tp_time, "dp_comm": dp_comm, "dp_comm_exposed": dp_exposed,
+             "bubble": bubble, "p2p": p2p, "optimizer": optimizer}
+    details = {"step_time_s": step, "flops_per_rank_step": m * flops_total, "slowest_pipeline_rank": worst,
+               "threads_per_process": pricer.threads, "core_share": share}
+    return times, details
