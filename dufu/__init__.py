@@ -5,11 +5,7 @@ __version__ = "0.1.0"
 
 def __getattr__(name):
     # dufu.from_pretrained / save_pretrained / pretrained_model without importing torch-heavy modules at `import dufu`
-    if name == "save_pretrained":
-        from dufu.models import hub
-
-        return hub.save_pretrained
-    if name in ("from_pretrained", "pretrained_model"):
+    if name in ("from_pretrained", "pretrained_model", "save_pretrained"):
         from dufu.engine import pretrained
 
         return getattr(pretrained, name)

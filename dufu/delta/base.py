@@ -41,12 +41,10 @@ def base_fingerprint(pretrained: Optional[str], seed: int, model_cfg) -> dict:
 
 def _plain(node):
     """A config node as plain data, the same whether it was loaded from Python or from config.yaml."""
-    from dufu.config.lazy import target_name
-
     if isinstance(node, dict) or hasattr(node, "items"):
         return {str(k): _plain(v) for k, v in node.items() if k != "pretrained"}
     if isinstance(node, (list, tuple)):
         return [_plain(v) for v in node]
-    if callable(node):
-        return target_name(node)  # a class or function: its dotted path, as config.yaml writes it
+    if callable(node):  # a class or function: its dotted path, as config.yaml writes it
+        return f"{node.__module__}.{node.__qualname__}"
     return node

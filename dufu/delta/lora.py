@@ -193,14 +193,17 @@ def init_dora_magnitudes(parts) -> int:
     """Set every DoRA magnitude to the row norms of its layer's W + s B A (B = 0 at the start: those of W), once
     the base weights are in place and before a checkpoint is resumed; any layout (a sharded weight is gathered
     one layer at a time). Returns how many layers it set."""
-    from dufu.parallel.materialize import assign_full_
-
     count = 0
     for part in parts:
         for m in part.modules():
             if isinstance(m, LoraLinear) and getattr(m, "lora_magnitude_vector", None) is not None:
                 norm = m.lora_weight_norm()
                 full = norm.full_tensor() if isinstance(norm, DTensor) else norm
-                assign_full_(m.lora_magnitude_vector.weight, full.to(m.lora_magnitude_vector.weight.dtype))
+                target = m.lora_magnitude_vector.weight
+                if isinstance(target, DTensor):  # this rank's block of the full values, no communication
+                    full = distribute_tensor(full.to(target.device), target.device_mesh, target.placements,
+                                             src_data_rank=None).to_local()
+                    target = target.to_local()
+                target.copy_(full.to(target.dtype))
                 count += 1
     return count

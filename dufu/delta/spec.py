@@ -195,12 +195,13 @@ class PromptTuning:
 
 
 def _blocks(model: nn.Module):
-    """The transformer blocks (dufu's pipeline units): their sublayers are where adapters go by default."""
-    from dufu.parallel.pipeline import pipeline_blocks
-
-    if getattr(model, "pipeline_layout", None) is None:  # a model without a block layout: every module counts
+    """The transformer blocks in order (the ``pipeline_layout`` every family declares: one block container, or an
+    encoder's then a decoder's): their sublayers are where adapters go by default."""
+    layout = getattr(model, "pipeline_layout", None)
+    if layout is None:  # a model without a block layout: every module counts
         return list(model.named_modules())
-    return [(f"{c}.{k}", model.get_submodule(f"{c}.{k}")) for c, k in pipeline_blocks(model)]
+    containers = [layout["blocks"]] if isinstance(layout["blocks"], str) else list(layout["blocks"])
+    return [(f"{c}.{k}", m) for c in containers for k, m in model.get_submodule(c).items()]
 
 
 def _is_dufu_linear(m: nn.Module) -> bool:

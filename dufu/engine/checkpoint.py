@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import pickle
 import re
 import shutil
 import warnings
@@ -28,10 +27,6 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint._traverse import set_element
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import StorageMeta
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -42,54 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dufu.errors import CheckpointError
 
-# --- loading without unpickling arbitrary objects -------------------------------------------------
-# DCP stores tensors with torch.save (read back with weights_only=True), but its .metadata file is a
-# plain pickle and non-tensor items are read with weights_only=False. dufu reads both through
-# restricted loaders: only DCP's own metadata classes and plain data may appear.
-_METADATA_GLOBALS = {
-    ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"), ("pathlib", "PurePosixPath"),
-    ("torch", "Size"), ("torch.serialization", "_get_layout"),
-    ("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
-}
-_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem",
-                     "torch.distributed.checkpoint._extension")
+from dufu.engine.checkpoint_safe import SafeFileSystemReader, SafeLoadPlanner  # noqa: F401
 
-
-class _MetadataUnpickler(pickle.Unpickler):
-    def find_class(self, module, name):
-        import torch as _torch
-
-        if module == "torch" and isinstance(getattr(_torch, name, None), _torch.dtype):
-            return getattr(_torch, name)
-        if (module, name) in _METADATA_GLOBALS or module.startswith(_METADATA_MODULES):
-            return super().find_class(module, name)
-        raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")
-
-
-class SafeFileSystemReader(FileSystemReader):
-    def read_metadata(self, *args, **kwargs):
-        path = self._get_metadata_path(kwargs.get("rank"))
-        with self.fs.create_stream(path, "rb") as f:
-            try:
-                metadata = _MetadataUnpickler(f).load()
-            except Exception as e:
-                raise CheckpointError(
-                    f"checkpoint metadata {path} cannot be read: {e}. It is corrupt or was not written by "
-                    "torch.distributed.checkpoint; use another checkpoint."
-                ) from None
-        if getattr(metadata, "storage_meta", None) is None:
-            metadata.storage_meta = StorageMeta()
-        metadata.storage_meta.load_id = self.load_id
-        return metadata
-
-
-class SafeLoadPlanner(DefaultLoadPlanner):
-    def load_bytes(self, read_item, value):
-        obj = torch.load(value, weights_only=True)
-        if self.flatten_state_dict:
-            set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], obj)
-        else:
-            self.state_dict[read_item.dest_index.fqn] = obj
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
 MANIFEST = "manifest.json"
@@ -98,13 +47,12 @@ MANIFEST = "manifest.json"
 # Optimizer state keyed by parameter name ("state.blocks.0.mlp.fc1.weight.exp_avg"), one entry per
 # parameter: the form that merges across pipeline stages and loads into any other layout.
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
-# A delta run (dufu.delta) saves and loads only what trains: the frozen base comes from its own source (the
-# pretrained weights or the seeded initialisation) every time the run starts. strict=False lets the frozen
-# parameters be absent from the loaded state dict; every key it does hold must be in the checkpoint (DCP).
+# A delta run saves and loads only what trains (its base comes from its source at every start); strict=False
+# lets the frozen parameters be absent; every key the state dict holds must be in the checkpoint (DCP).
 _DELTA_OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True, ignore_frozen_params=True, strict=False)
 
 
-def _as_list(x):
+def _as_list(x):  # one part or a list of pipeline-stage parts
     return list(x) if isinstance(x, (list, tuple)) else [x]
 
 
@@ -112,21 +60,22 @@ def _state_dicts(model_parts, optimizers, options=_OPTIONS) -> tuple[dict, dict,
     """Merged model and optimizer state dicts of all parts, and each part's own key sets."""
     model_sd, optim_sd, keys = {}, {}, []
     for part, opt in zip(model_parts, optimizers):
-        if _empty(opt):  # nothing trains in this part (see dufu.engine.optim): its model state only
-            msd, osd = get_model_state_dict(part, options=options), {}
-        else:
-            msd, osd = get_state_dict(part, opt, options=options)
-        if options.ignore_frozen_params:  # also a frozen parameter's tied alias (torch keeps it: a second name)
-            frozen = {n for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
-            msd = {k: v for k, v in msd.items() if k not in frozen}
+        msd, osd = (get_model_state_dict(part, options=options), {}) if _empty(opt) else \
+            get_state_dict(part, opt, options=options)
+        if options.ignore_frozen_params:  # also a frozen parameter's tied alias (torch keeps that second name)
+            msd = {k: v for k, v in msd.items() if k not in _frozen_names(part)}
         model_sd.update(msd)
         optim_sd.update(osd)
         keys.append((set(msd), set(osd)))
     return model_sd, optim_sd, keys
 
 
-def _empty(optimizer) -> bool:
+def _empty(optimizer) -> bool:  # a part with nothing to train (see dufu.engine.optim)
     return not any(g["params"] for g in optimizer.param_groups)
+
+
+def _frozen_names(part) -> set:
+    return {n for n, p in part.named_parameters(remove_duplicate=False) if not p.requires_grad}
 
 
 def _barrier():
@@ -186,13 +135,10 @@ class Checkpointer:
     @staticmethod
     def read_meta(path: Path) -> dict:
         """The manifest's metadata of checkpoint ``path`` (step, layout, ...), unverified; {} if unreadable."""
-        try:
-            return json.loads((Path(path) / MANIFEST).read_text())
-        except (OSError, ValueError):
-            return {}
+        manifest = Path(path) / MANIFEST
+        return json.loads(manifest.read_text()) if manifest.is_file() else {}
 
-    def set_delta_only(self) -> None:
-        """Save and load only the trainable parameters and their optimizer state (a delta run)."""
+    def set_delta_only(self) -> None:  # save and load only the trainable parameters and their state
         self.options = _DELTA_OPTIONS
 
     # ---------------------------------------------------------------- listing

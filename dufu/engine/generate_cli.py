@@ -43,7 +43,7 @@ def load_for_generation(path: str | Path, device: str = "cpu"):
         from dufu.config import LazyConfig, instantiate
         from dufu.engine.convert import resolve_checkpoint
 
-        from dufu.delta.run import is_delta_checkpoint, load_delta_run
+        from dufu.engine.delta_run import is_delta_checkpoint, load_delta_run
 
         ckpt = resolve_checkpoint(path)
         model = load_delta_run(ckpt) if is_delta_checkpoint(ckpt) else pretrained_model(ckpt)  # delta: base + delta

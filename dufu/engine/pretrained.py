@@ -120,7 +120,8 @@ def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
         source = hf_tensor_sources(ad, module, path)
     else:
         source = _dufu_checkpoint_tensors(ckpt, module, list(own))
-    missing = [k for k in own if k not in source and k not in tied]
+    added = set(getattr(getattr(module, "delta_info", None), "added", ()))  # a delta's own: in no base
+    missing = [k for k in own if k not in source and k not in tied and k not in added]
     unexpected = [k for k in source if k not in own] if strict else []
     if missing or unexpected:
         raise DataError(f"{what} do not fit {type(module).__name__}: missing {missing[:5]}, unexpected "
@@ -164,11 +165,22 @@ def _filled(model: nn.Module, path: str | Path, strict: bool = False) -> nn.Modu
                         pretrained=lambda m: pretrained_source(m, path, strict=strict, check_sizes=False))
 
 
-def from_pretrained(path: str | Path, architecture: Optional[str] = None, **overrides) -> nn.Module:
-    """Load a Hugging Face model directory into the matching dufu model (fp32, training mode)."""
+def from_pretrained(path: str | Path, architecture: Optional[str] = None, adapter: Optional[str | Path] = None,
+                    **overrides) -> nn.Module:
+    """Load a Hugging Face model directory into the matching dufu model (fp32, training mode).
+
+    ``adapter``: a PEFT LoRA adapter directory (adapter_config.json + adapter_model.safetensors) to add, unmerged:
+    its target modules become LoRA layers with its rank, alpha and scaling, and only the adapter trains
+    (:func:`dufu.delta.peft.load_adapter`); ``dufu.save_pretrained`` writes it back in PEFT's format."""
     with torch.device("meta"):
         model = build_from_hf_config(read_hf_config(path), architecture, **overrides)
-    return _filled(model, path, strict=True)
+    model = _filled(model, path, strict=True)
+    model.pretrained_path = str(path)  # the base an adapter written from this model names
+    if adapter is not None:
+        from dufu.delta.peft import load_adapter
+
+        load_adapter(model, adapter)
+    return model
 
 
 def pretrained_model(path: str | Path, architecture: Optional[str] = None, **overrides) -> nn.Module:
@@ -203,3 +215,25 @@ def pretrained_model(path: str | Path, architecture: Optional[str] = None, **ove
         model.pretrained_path = str(path)  # read later, shard by shard (dufu.parallel.materialize)
         return model
     return _filled(model, path)  # built from the source's own config
+
+
+def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dict] = None, merge: bool = False,
+                    base: Optional[str | Path] = None) -> Path:
+    """``dufu.save_pretrained``: config.json + model.safetensors that transformers' Auto classes load.
+
+    A model carrying LoRA layers (:mod:`dufu.delta`) is written as a PEFT adapter instead
+    (adapter_config.json + adapter_model.safetensors, which ``peft.PeftModel.from_pretrained`` loads onto its
+    base; ``base``: the base's Hugging Face directory, see :func:`dufu.delta.peft.save_adapter`), or with
+    ``merge=True`` as the plain model with the LoRA updates folded into the weights. ``state_dict``: the
+    values to write, for a model built on the meta device."""
+    from dufu.delta import peft
+    from dufu.delta.lora import lora_layers
+    from dufu.models.hub import write_hf_model
+
+    peft.check_lora_only(model)
+    sd = state_dict if state_dict is not None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    if lora_layers(model):
+        if not merge:
+            return peft.save_adapter(model, path, sd, base=base)
+        sd = peft.merged_state_dict(model, sd)
+    return write_hf_model(model, path, sd)

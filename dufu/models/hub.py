@@ -120,11 +120,18 @@ def build_from_hf_config(hf_config: dict, architecture: Optional[str] = None, **
 
 
 def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dict] = None) -> Path:
-    """Write config.json + model.safetensors that transformers' Auto classes load."""
+    """Write config.json + model.safetensors that transformers' Auto classes load (``state_dict``: the values
+    to write, for a model built on the meta device). A model carrying a delta is written by
+    :func:`dufu.engine.pretrained.save_pretrained` (``dufu.save_pretrained``), as a PEFT adapter or merged."""
+    sd = state_dict if state_dict is not None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    return write_hf_model(model, path, sd)
+
+
+def write_hf_model(model: nn.Module, path: str | Path, sd: dict) -> Path:
+    """config.json + model.safetensors of ``model`` with the tensors ``sd`` (dufu names)."""
     from safetensors.torch import save_file
 
     ad = adapter_for_model(model)
-    sd = state_dict if state_dict is not None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
     hf_sd = ad.state_dict_to_hf(sd, model)
     hf_config = ad.config_to_hf(model)
     if hf_config.get("tie_word_embeddings", False):
