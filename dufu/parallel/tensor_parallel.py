@@ -69,10 +69,6 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
             continue  # a LoRA factor: placed by its layer's style
         if lora:
             lora_names.append(name)
-        if sequence_parallel and hasattr(module, "delta_prompt"):
-            raise LayoutError("prompt tuning does not combine with sequence parallelism (a block's input is a shard "
-                              "of the sequence, with no place for the virtual tokens): set "
-                              "train.dist.sequence_parallel=False, or use PrefixTuning")
         if getattr(module, "tensor_parallel_heads", False):  # a prefix-tuning prefix: split by heads
             plan[name] = ShardHeads()
             continue
@@ -121,6 +117,10 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     for n, p in model.named_parameters():  # SequenceParallel makes new Parameters that require grad
         if n in frozen:
             p.requires_grad_(False)
+    if sequence_parallel:  # prompt tuning's hooks regather the sequence over this group (dufu.delta.prompt)
+        for m in model.modules():
+            if hasattr(m, "delta_prompt") or hasattr(m, "delta_prompt_tokens"):
+                m.sp_mesh = tp_mesh
     if tied:
         # Both styles split the (vocab, hidden) table along the vocabulary (Shard(0)), so the
         # embedding's sharded parameter serves the head unchanged.
