@@ -107,16 +107,9 @@ def cmd_train(argv: list[str]) -> int:
 def resolve_auto(cfg, world_size: int):
     """Let the planner choose the layout values left ``auto`` (dufu.plan.auto), in ``cfg``; returns the start-up
     summary's line about it, or None when the config sets every value (the planner is then not imported)."""
-    from dufu.config.overrides import AUTO_KEYS
+    from dufu.config.overrides import auto_layout_keys
 
-    def value(dotted):
-        node = cfg
-        for part in dotted.split("."):
-            node = node.get(part) if hasattr(node, "get") else None
-        return node
-
-    if value("train.dist.auto") is not True and not any(
-            isinstance(v, str) and v.strip().lower() == "auto" for v in map(value, AUTO_KEYS)):
+    if not auto_layout_keys(cfg):
         return None
     from dufu.plan.auto import resolve_auto_layout
 

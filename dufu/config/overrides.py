@@ -25,12 +25,13 @@ __all__ = ["apply_overrides", "parse_value"]
 # which words it takes). Any other bool or str key keeps its type.
 SWITCH_OR_CHOICE = frozenset({"train.amp.enabled", "train.compile.enabled"})
 # Layout settings that may be "auto": `dufu plan` searches them and `dufu train` runs the planner's best choice
-# (dufu.plan). Any of them may also be set back from "auto" to a value of its own type.
-AUTO_KEYS = frozenset({
+# (dufu.plan; this order is the one its messages use). Any of them may also be set back from "auto" to a value of
+# its own type.
+AUTO_KEYS = (
     "train.dist.data_parallel_size", "train.dist.tensor_parallel_size", "train.dist.pipeline_parallel_size",
     "train.dist.sequence_parallel", "train.dist.virtual_pipeline_size", "train.train_micro_batch_size",
     "train.zero_optimization.stage", "train.activation_checkpoint.enabled",
-})
+)
 # Keys a config need not define, with the type an override gives them: train.dist.auto=True lets the planner
 # choose every layout setting above.
 OPTIONAL_KEYS = {"train.dist.auto": bool}
@@ -193,8 +194,21 @@ def _apply_one(cfg: MutableMapping, item: Any) -> None:
     )
 
 
-def _is_auto(value: Any) -> bool:
+def is_auto(value: Any) -> bool:
     return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def auto_layout_keys(cfg) -> list[str]:
+    """The layout settings ``cfg`` leaves to the planner: the AUTO_KEYS set to "auto", or ``train.dist.auto``
+    when it is True. Cheap: no planner import."""
+    def value(dotted):
+        node = cfg
+        for part in dotted.split("."):
+            node = node.get(part) if hasattr(node, "get") else None
+        return node
+
+    left = [k for k in AUTO_KEYS if is_auto(value(k))]
+    return left + (["train.dist.auto"] if value("train.dist.auto") is True else [])
 
 
 def _short(value: Any, limit: int = 50) -> str:
@@ -218,8 +232,8 @@ def _coerce(key: str, current: Any, value: Any, raw: str, item: str) -> Any:
 
     if key in SWITCH_OR_CHOICE and isinstance(current, (bool, str)) and isinstance(value, (bool, str)):
         return value
-    if key in AUTO_KEYS and (_is_auto(value) or _is_auto(current)):
-        return "auto" if _is_auto(value) else value
+    if key in AUTO_KEYS and (is_auto(value) or is_auto(current)):
+        return "auto" if is_auto(value) else value
     raw_text = raw.strip()
     quote_hint = (
         f"If you mean the text, quote it so it stays a string: {key}=\"'{raw_text}'\"."

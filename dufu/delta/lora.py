@@ -109,12 +109,17 @@ class LoraMagnitude(nn.Module):
         nn.init.ones_(self.weight)
 
 
+def can_carry_lora(module: nn.Module) -> bool:
+    """LoRA wraps exactly ``nn.Linear`` and dufu's ``Linear`` (a subclass may compute something else)."""
+    return type(module) in (nn.Linear, Linear)
+
+
 def add_lora(module: nn.Linear, rank: int, alpha: float, dropout: float = 0.0, rslora: bool = False,
              dora: bool = False) -> LoraLinear:
     """Turn ``module`` (an ``nn.Linear`` or dufu ``Linear``, any device incl. meta) into a :class:`LoraLinear`
     in place and return it. The factors are created on the module's device, uninitialised on meta. ``dora``:
     weight-decomposed LoRA (Liu et al. 2024), a trainable magnitude per output feature beside the factors."""
-    if type(module) not in (nn.Linear, Linear):
+    if not can_carry_lora(module):
         raise TypeError(f"LoRA wraps nn.Linear and dufu Linear layers; got {type(module).__name__}")
     out_features, in_features = module.weight.shape
     if not 0 < rank <= min(in_features, out_features):

@@ -31,7 +31,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dufu.delta.lora import LoraFactor, LoraMagnitude, add_lora, init_dora_magnitudes, lora_layers
+from dufu.delta.lora import (LoraFactor, LoraMagnitude, add_lora, can_carry_lora, init_dora_magnitudes,
+                             lora_layers)
 from dufu.delta.spec import DeltaInfo
 from dufu.errors import DataError, DufuError
 from dufu.layers.linear import Linear
@@ -215,7 +216,7 @@ def load_adapter(model: nn.Module, path: str | Path) -> nn.Module:
         rank = int(_pattern_value(config.get("rank_pattern"), hf, config.get("r", 8)))
         alpha = float(_pattern_value(config.get("alpha_pattern"), hf, config.get("lora_alpha", 8)))
         mods = [model.get_submodule(p) for p in site.parts]
-        wrong = next((p for p, m in zip(site.parts, mods) if type(m) not in (nn.Linear, Linear)), None)
+        wrong = next((p for p, m in zip(site.parts, mods) if not can_carry_lora(m)), None)
         if wrong is not None:
             raise DataError(f"{where} targets {hf} (dufu {wrong}), a {type(model.get_submodule(wrong)).__name__}; "
                             "dufu adds LoRA only to linear layers (nn.Linear, dufu Linear) without LoRA yet.")

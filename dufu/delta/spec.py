@@ -26,7 +26,7 @@ from typing import Iterable, Optional, Sequence, Union
 
 from torch import nn
 
-from dufu.delta.lora import add_lora
+from dufu.delta.lora import add_lora, can_carry_lora
 from dufu.errors import ConfigError
 
 Patterns = Union[str, Sequence[str], None]
@@ -60,6 +60,8 @@ class LoRA:
     """Low-rank adapters beside the targeted linear layers. ``alpha``: the scaling numerator (PEFT's
     ``lora_alpha``; default = rank, so s = 1). ``rslora``: s = alpha / sqrt(rank)."""
 
+    adds_parameters = True  # creates parameters no base checkpoint holds
+
     targets: Patterns = ("q_proj", "v_proj")
     rank: int = 8
     alpha: Optional[float] = None
@@ -81,7 +83,7 @@ class LoRA:
             raise _no_match("delta LoRA targets", self.targets, (n for n, _ in model.named_modules() if n))
         names = []
         for n, m in chosen:
-            if type(m) not in (nn.Linear,) and not _is_dufu_linear(m):
+            if not can_carry_lora(m):
                 raise ConfigError(f"delta LoRA target {n!r} is a {type(m).__name__}; LoRA applies to linear layers. "
                                   "Narrow delta.targets (e.g. to the attention projections).")
             if m is head and getattr(model, "fused_loss", False):
@@ -102,6 +104,8 @@ class Adapter:
     """Bottleneck adapters on the outputs of the ``targets`` sublayers (:mod:`dufu.delta.adapters`).
     ``placement``: "houlsby" (default targets: each block's attention and MLP) or "pfeiffer" (the MLP only).
     ``bottleneck``: the inner width (default hidden_size // ``reduction_factor``)."""
+
+    adds_parameters = True  # creates parameters no base checkpoint holds
 
     placement: str = "houlsby"
     targets: Patterns = None
@@ -143,6 +147,8 @@ class PrefixTuning:
     """Learned keys and values before every self-attention's own (:mod:`dufu.delta.prefix`), in the blocks'
     attention modules (or the ``targets``)."""
 
+    adds_parameters = True  # creates parameters no base checkpoint holds
+
     num_virtual_tokens: int = 16
     targets: Patterns = None
     freezes_base: bool = field(default=True, init=False)
@@ -169,6 +175,8 @@ class PrefixTuning:
 @dataclass
 class PromptTuning:
     """Learned virtual tokens in front of the sequence (:mod:`dufu.delta.prompt`); decoder-only models."""
+
+    adds_parameters = True  # creates parameters no base checkpoint holds
 
     num_virtual_tokens: int = 16
     init_std: float = 0.02
@@ -204,15 +212,11 @@ def _blocks(model: nn.Module):
     return [(f"{c}.{k}", m) for c in containers for k, m in model.get_submodule(c).items()]
 
 
-def _is_dufu_linear(m: nn.Module) -> bool:
-    from dufu.layers.linear import Linear
-
-    return type(m) is Linear
-
-
 @dataclass
 class BitFit:
     """Train the biases only (Ben Zaken et al. 2021); ``targets`` narrows which modules' biases (default all)."""
+
+    adds_parameters = False  # selects parameters the base has
 
     targets: Patterns = None
     freezes_base: bool = field(default=True, init=False)
@@ -231,6 +235,8 @@ class Freeze:
     """Partial fine-tuning: ``freeze`` patterns (module or parameter names; a module covers all it contains)
     stop training; ``unfreeze`` patterns train even where another delta froze the base (e.g. a new
     classification head beside LoRA)."""
+
+    adds_parameters = False  # selects parameters the base has
 
     freeze: Patterns = None
     unfreeze: Patterns = None
@@ -275,7 +281,7 @@ def apply_delta(model: nn.Module, delta) -> Optional[DeltaInfo]:
     for s in specs:
         names = s.apply(model)
         selected += names
-        added += names if isinstance(s, (LoRA, Adapter, PrefixTuning, PromptTuning)) else []
+        added += names if s.adds_parameters else []
     freezes_base = any(s.freezes_base for s in specs)
     unfreeze = [p for s in specs if isinstance(s, Freeze) for p in _as_list(s.unfreeze)]
     freeze = [p for s in specs if isinstance(s, Freeze) for p in _as_list(s.freeze)]

@@ -90,17 +90,12 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
 
 def refuse_auto(cfg) -> None:
     """A layout value still ``auto`` here was not given to the planner: say how to get it resolved."""
-    from dufu.config.overrides import AUTO_KEYS
+    from dufu.config.overrides import auto_layout_keys
 
-    def value(dotted):
-        node = cfg
-        for part in dotted.split("."):
-            node = node.get(part) if hasattr(node, "get") else None
-        return node
-
-    left = [k for k in sorted(AUTO_KEYS) if isinstance(value(k), str) and value(k).strip().lower() == "auto"]
-    if left or value("train.dist.auto") is True:
-        raise ConfigError(f"{', '.join(left) or 'train.dist.auto=True'}: 'auto' layout values are chosen by the "
+    left = auto_layout_keys(cfg)
+    if left:
+        named = sorted(k for k in left if k != "train.dist.auto") or ["train.dist.auto=True"]
+        raise ConfigError(f"{', '.join(named)}: 'auto' layout values are chosen by the "
                           "planner, which `dufu train` runs before the workers start; when building a Trainer "
                           "yourself, call dufu.plan.auto.resolve_auto_layout(cfg, world_size) first.")
 

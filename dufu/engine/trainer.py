@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import math
 import time
 from pathlib import Path
@@ -408,17 +409,16 @@ class Trainer:
         return self.checkpointer.save(
             self.step, self.model_parts, self.optimizers, self.trainer_state(),
             extra_meta={"layout": self.dims.describe(), "global_batch_size": self.global_batch_size,
-                        **({"delta": self.delta_base()} if self.delta is not None else {})},
+                        **({"delta": self.delta_base} if self.delta is not None else {})},
             config_text=LazyConfig.to_yaml(self.cfg) if self.is_main else None,
         )
 
+    @functools.cached_property
     def delta_base(self) -> dict:
         """The base of a delta run, recorded with each checkpoint (which holds only the delta)."""
         from dufu.delta.base import base_fingerprint
 
-        if not hasattr(self, "_delta_base"):
-            self._delta_base = base_fingerprint(self.pretrained.path, self.cfg.train.seed, self.cfg.model)
-        return self._delta_base
+        return base_fingerprint(self.pretrained.path, self.cfg.train.seed, self.cfg.model)
 
     def load_checkpoint(self, path: Path) -> None:
         if self.delta is not None:
@@ -426,10 +426,10 @@ class Trainer:
             if saved is None:
                 raise CheckpointError(f"{path} is not a checkpoint of a delta run (it holds a whole model); resume "
                                       "it without the delta section, or start the delta run in a new output_dir")
-            if saved.get("fingerprint") != self.delta_base()["fingerprint"]:
+            if saved.get("fingerprint") != self.delta_base["fingerprint"]:
                 raise CheckpointError(
                     f"{path} holds a delta trained on another base ({saved.get('base') or 'a seeded initialisation'}"
-                    f"), not on this run's ({self.delta_base()['base'] or 'seeded initialisation, seed ' + str(self.cfg.train.seed)}). "
+                    f"), not on this run's ({self.delta_base['base'] or 'seeded initialisation, seed ' + str(self.cfg.train.seed)}). "
                     "Set model.pretrained (and train.seed) to the base the delta was trained on.")
         state = self.checkpointer.load(path, self.model_parts, self.optimizers)
         self.step = int(state["step"])

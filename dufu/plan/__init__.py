@@ -11,9 +11,10 @@ communication on a device (:mod:`dufu.plan.timing`, :mod:`dufu.plan.hardware`). 
 their sources and the check against published cluster results.
 """
 
+from dufu.config.overrides import AUTO_KEYS
 from dufu.plan.cpu import measured_cpu
 from dufu.plan.hardware import CATALOG, Hardware, get_hardware
-from dufu.plan.layout import AUTO_KEYS, Layout
+from dufu.plan.layout import Layout
 from dufu.plan.search import Estimate, Plan, apply_layout, estimate, search
 
 __all__ = ["AUTO_KEYS", "CATALOG", "Estimate", "Hardware", "Layout", "Plan", "apply_layout", "estimate",

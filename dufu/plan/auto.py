@@ -15,21 +15,12 @@ from typing import Optional
 from dufu.errors import LayoutError
 from dufu.plan.cpu import measured_cpu
 from dufu.plan.hardware import CATALOG, Hardware
-from dufu.plan.layout import AUTO_KEYS, is_auto
+from dufu.config.overrides import auto_layout_keys
 
 
 def has_auto(cfg) -> bool:
     """Whether the config leaves any layout setting to the planner (cheap: no planner import needed)."""
-    t = cfg.get("train", {})
-    if bool(t.get("dist", {}).get("auto", False)) is True:
-        return True
-    for key in AUTO_KEYS:
-        node = cfg
-        for part in key.split("."):
-            node = node.get(part) if hasattr(node, "get") else None
-        if is_auto(node):
-            return True
-    return False
+    return bool(auto_layout_keys(cfg))
 
 
 def hardware_for_run(cfg) -> Hardware:

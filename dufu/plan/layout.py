@@ -7,17 +7,6 @@ from typing import Optional
 
 from dufu.errors import ConfigError
 
-# The config keys ``dufu plan`` (and ``dufu train``) accept ``auto`` for, in search order.
-AUTO_KEYS = (
-    "train.dist.data_parallel_size",
-    "train.dist.tensor_parallel_size",
-    "train.dist.pipeline_parallel_size",
-    "train.dist.sequence_parallel",
-    "train.dist.virtual_pipeline_size",
-    "train.train_micro_batch_size",
-    "train.zero_optimization.stage",
-    "train.activation_checkpoint.enabled",
-)
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
 
 
@@ -99,10 +88,6 @@ class Setup:
         if self.compile is True or self.compile is False:
             return self.compile
         return not hardware.synchronous
-
-
-def is_auto(value) -> bool:
-    return isinstance(value, str) and value.strip().lower() == "auto"
 
 
 def choose_dtype(amp_enabled, amp_dtype: str, hardware) -> tuple[str, str]:

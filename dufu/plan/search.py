@@ -1,6 +1,6 @@
 """``estimate`` one layout, ``search`` the layouts a config leaves ``auto``.
 
-A search enumerates every combination of the ``auto`` fields (:data:`dufu.plan.layout.AUTO_KEYS`), drops those
+A search enumerates every combination of the ``auto`` fields (:data:`dufu.config.overrides.AUTO_KEYS`), drops those
 dufu would refuse at start-up (:func:`dufu.parallel.checks.validate_layout`, the same check ``dufu train`` runs,
 with the same message: heads, hidden size, vocabulary, layers per stage, micro-batches per pipeline), estimates the
 rest and ranks those that fit by predicted throughput (tokens, or samples, per second: layouts that differ in
@@ -18,7 +18,8 @@ from typing import Optional
 
 from dufu.errors import ConfigError, DufuError, LayoutError
 from dufu.plan.hardware import Hardware, get_hardware
-from dufu.plan.layout import AUTO_KEYS, MULTI_STAGE_SCHEDULES, Layout, Setup, is_auto, setup_from_config
+from dufu.config.overrides import AUTO_KEYS, is_auto
+from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup, setup_from_config
 from dufu.plan.memory import KEYS, estimate_memory
 from dufu.plan.shapes import ModelInfo, build_model_info
 from dufu.plan.trace import get_trace
