@@ -3,7 +3,7 @@
 Every module under dufu/ is parsed with ``ast`` (nothing is imported). Imports are counted wherever they
 are, top level or inside a function: a function-local import is still a dependency, only a later one.
 
-The order, bottom to top: layers < models < delta < parallel < data < config < engine < plan < cli (compat
+The order, bottom to top: layers < models < delta < compress < parallel < data < config < engine < plan < cli (compat
 sits beside parallel). Rules:
 
 (a) dufu.models and dufu.layers import nothing from engine, parallel, config, cli or data;
@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 
 DUFU = Path(__file__).resolve().parents[1] / "dufu"
-SUBPACKAGES = ("models", "layers", "delta", "parallel", "engine", "config", "data", "compat", "plan", "cli")
+SUBPACKAGES = ("models", "layers", "delta", "compress", "parallel", "engine", "config", "data", "compat", "plan", "cli")
 MAX_LINES = 450
 # torch.distributed modules a layer may import: the DTensor types (see (b) above).
 LAYERS_ALLOWED_DISTRIBUTED = ("torch.distributed.tensor",)

@@ -8,7 +8,8 @@ from dufu.plan.search import Estimate, Plan
 
 GiB = 1024**3
 TIME_NAMES = {
-    "compute": "compute", "tp_comm": "tensor-parallel communication", "dp_comm": "data-parallel communication",
+    "compute": "compute", "dp_copies": "FSDP buffer copies",
+    "tp_comm": "tensor-parallel communication", "dp_comm": "data-parallel communication",
     "dp_comm_exposed": "data-parallel communication not hidden", "bubble": "pipeline bubble",
     "p2p": "pipeline point-to-point", "optimizer": "optimizer step",
 }

@@ -304,7 +304,8 @@ def search(cfg, world_size: int, hardware="cpu", hardware_files=None, max_micro_
     return Plan(fitting + others, rejected=rejected, notes=notes, auto=autos)
 
 
-_TIME_WORDS = {"compute": "compute", "tp_comm": "tensor-parallel communication",
+_TIME_WORDS = {"compute": "compute", "dp_copies": "FSDP buffer copies",
+               "tp_comm": "tensor-parallel communication",
                "dp_comm_exposed": "data-parallel communication not hidden", "bubble": "pipeline bubble",
                "p2p": "pipeline point-to-point", "optimizer": "optimizer step"}
 

@@ -99,6 +99,14 @@ class Pricer:
                 fresh += n if n >= int(threshold) else 0.0
         return fresh / self.hw.page_fault_bandwidth
 
+    def fresh(self, nbytes: float) -> float:
+        """Seconds of page faults of ``nbytes`` allocated in blocks above ``MALLOC_MMAP_THRESHOLD_`` (0 without it,
+        or on a device without page-fault figures)."""
+        threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+        if not (self.hw.page_fault_bandwidth and threshold.isdigit()):
+            return 0.0
+        return nbytes / self.hw.page_fault_bandwidth
+
     def part(self, q: int, phase: str) -> tuple[float, float]:
         """(compute seconds, FLOPs) of traced part ``q``'s ``phase`` for one micro-batch."""
         key = (q, phase)
@@ -200,6 +208,33 @@ def group_link(hw: Hardware, size: int, stride: int) -> tuple[float, float]:
     return bw * hw.comm_efficiency, hw.inter_latency_s
 
 
+def fsdp_copies(nbytes: float, dp: int, zero: int, m: int, gathers: int, pricer: Pricer) -> float:
+    """Seconds of FSDP2's own memory traffic in one step for ``nbytes`` of fp32 parameters (the rank's, unsharded):
+
+    * every gather of a unit (ZeRO: ``gathers`` per step) copies the local shard into a new all-gather buffer
+      (``nbytes`` new, ``nbytes / dp`` copied) and the gathered data out into new unsharded parameters (``nbytes``
+      new and copied); ``replicate`` (DDP) has nothing to gather but still copies the parameters into new
+      unsharded ones before each micro-batch's forward;
+    * the gradient reduction once per step concatenates the gradients into a new buffer (``nbytes`` new and
+      copied); ``replicate`` then copies it into the all-reduce output (``nbytes`` again), ZeRO copies out its
+      ``1/dp`` shard.
+
+    A copy reads and writes its bytes (the probe's stream bandwidth counts both). Memory new from the system pays
+    its page faults when glibc hands large blocks back (``MALLOC_MMAP_THRESHOLD_``; see :meth:`Pricer.fresh`);
+    a GPU's caching allocator reuses its blocks. Read off FSDP2's ``foreach_all_gather``, ``foreach_reduce`` and
+    the unshard path of torch 2.13 (``torch/distributed/fsdp/_fully_shard``); on this project's CPU runs these
+    copies took a quarter of a ZeRO-3 step, more than the gloo collectives themselves."""
+    if dp <= 1:
+        return 0.0
+    if zero:
+        fresh = gathers * 2 * nbytes + nbytes + nbytes / dp
+        copied = gathers * (nbytes / dp + nbytes) + nbytes + nbytes / dp
+    else:
+        fresh = m * nbytes + 2 * nbytes
+        copied = m * nbytes + 2 * nbytes
+    return 2.0 * copied / pricer.rates["stream"] + pricer.fresh(fresh)
+
+
 def tp_comm(trace: Trace, q: int, layout: Layout, hw: Hardware, share: float) -> tuple[float, float]:
     """(forward, backward) seconds of tensor-parallel collectives of traced part ``q`` for one micro-batch."""
     tp = layout.tensor_parallel_size
@@ -286,7 +321,7 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
     # and drain wait for them (already in the bubble's slots)
     p2p = m * w["p2p"] * (1.0 - hw.overlap)
     # data parallelism, per step, on the worst-memory rank's parameters (the largest stage)
-    dp_comm = dp_exposed = 0.0
+    dp_comm = dp_exposed = dp_copies = 0.0
     if dp > 1:
         bw, lat = group_link(hw, dp, tp)
         parts = all_parts[worst]
@@ -310,6 +345,7 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         reduce *= share
         gather_one *= share
         dp_comm = reduce + gather_one * (gathers_fwd + gathers_bwd)
+        dp_copies = fsdp_copies(grad_bytes, dp, zero, m, gathers_fwd + gathers_bwd, pricer) * share
         if pp > 1:
             # torch's stages reduce after the last micro-batch; gathers overlap the forward
             hidden = hw.overlap * min(gather_one * (gathers_fwd + gathers_bwd), compute)
@@ -331,8 +367,10 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
     optimizer = (28.0 * owned / pricer.rates["optimizer"]
                  + (4.0 * owned / pricer.rates["elementwise"] if setup.clip_grad else 0.0)
                  + 40 * hw.op_overhead_s) * share
-    step = compute + tp_time + p2p + bubble + dp_exposed + optimizer
-    times = {"compute": compute, "tp_comm": tp_time, "dp_comm": dp_comm, "dp_comm_exposed": dp_exposed,
+    # FSDP2's copies into and out of its communication buffers run on the critical path, between the computation
+    step = compute + dp_copies + tp_time + p2p + bubble + dp_exposed + optimizer
+    times = {"compute": compute, "dp_copies": dp_copies, "tp_comm": tp_time, "dp_comm": dp_comm,
+             "dp_comm_exposed": dp_exposed,
              "bubble": bubble, "p2p": p2p, "optimizer": optimizer}
     details = {"step_time_s": step, "flops_per_rank_step": m * flops_total, "slowest_pipeline_rank": worst,
                "threads_per_process": pricer.threads, "core_share": share}
