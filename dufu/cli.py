@@ -1,4 +1,4 @@
-"""`dufu` command line: train, plan, configs, preprocess. Argument parsing and error presentation only."""
+"""`dufu` command line: train, eval, plan, generate, convert, configs, preprocess. Argument parsing and error presentation only."""
 
 from __future__ import annotations
 
@@ -19,6 +19,9 @@ commands:
   plan [CONFIG] [key=value ...] --gpus N --gpu NAME [--gpus-per-node 8] [--json] [--plot FILE.png]
                       predict per-device peak memory and step time of the config's layout; with `auto` values
                       (e.g. train.dist.tensor_parallel_size=auto), rank the layouts that fit (dufu plan -h)
+  eval SOURCE [--nproc N] [--data FILE] [--json] [key=value ...]
+                      validation loss, perplexity and accuracy of a run/checkpoint or a Hugging Face directory,
+                      in any layout (dufu eval -h)
   generate SOURCE --prompt TEXT
                       sample text from a run/checkpoint or a Hugging Face directory (dufu generate -h)
   configs             list the packaged recipes
@@ -269,13 +272,50 @@ def cmd_convert(argv: list[str]) -> int:
     return 0
 
 
+def cmd_eval(argv: list[str]) -> int:
+    from dufu.engine.eval_cli import build_parser
+
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = list(args.overrides) + extra
+    unknown_flags = [o for o in overrides if o.startswith("-")]
+    if unknown_flags:
+        raise DufuError(f"unknown option(s) {' '.join(unknown_flags)} for `dufu eval`; see `dufu eval --help`.")
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
+        from dufu.parallel.launch import torchrun_command
+
+        from dufu.engine.eval_cli import prepare
+        from dufu.engine.preflight import preflight
+
+        if args.nproc < 1:
+            raise DufuError(f"--nproc {args.nproc}: give 1 or more processes.")
+        cfg, ckpt, _, _ = prepare(args.source, args.config, overrides, args.nproc)
+        preflight(cfg, world_size=args.nproc, resume=ckpt if ckpt is not None else False)  # one clear error
+        forwarded = [args.source, *overrides]
+        for flag, value in (("--config", args.config), ("--data", args.data), ("--eval-iter", args.eval_iter)):
+            if value is not None:
+                forwarded += [flag, str(value)]
+        forwarded += ["--json"] if args.json else []
+        return run_torchrun(torchrun_command(args.nproc, forwarded, command="eval"))
+    import json
+
+    from dufu.engine.eval_cli import evaluate_source, format_table
+    from dufu.parallel.launch import finish_distributed
+
+    result = evaluate_source(args.source, args.config, overrides, args.data, args.eval_iter)
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(result, indent=1) if args.json else format_table(result), flush=True)
+    finish_distributed(0)
+    return 0
+
+
 def cmd_generate(argv: list[str]) -> int:
     from dufu.engine.generate_cli import main as generate_main
 
     return generate_main(argv)
 
 
-COMMANDS = {"train": cmd_train, "configs": cmd_configs, "preprocess": cmd_preprocess, "convert": cmd_convert,
+COMMANDS = {"train": cmd_train, "eval": cmd_eval, "configs": cmd_configs, "preprocess": cmd_preprocess, "convert": cmd_convert,
             "generate": cmd_generate, "plan": cmd_plan}
 
 

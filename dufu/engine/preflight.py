@@ -168,7 +168,11 @@ def build_model(cfg, tokenizer, seq_length: int) -> nn.Module:
 
 
 def resume_checkpoint(output_dir: Path, resume: bool | str) -> Optional[Path]:
-    """The checkpoint a run continues from (see :func:`plan_run`), or None for a new run."""
+    """The checkpoint a run continues from (see :func:`plan_run`), or None for a new run. A path: that checkpoint
+    (``dufu eval``), which must be complete."""
+    if isinstance(resume, Path):
+        Checkpointer(resume.parent).verify(resume)
+        return resume
     latest = Checkpointer(output_dir / "checkpoints").latest()
     if resume == "auto":
         return latest

@@ -55,8 +55,8 @@ def finish_distributed(exit_code: int = 0) -> None:
 
 def torchrun_command(nproc: int, argv: list[str], nnodes: str | None = None, node_rank: int | None = None,
                      master_addr: str | None = None, master_port: int | None = None,
-                     max_restarts: int | None = None) -> list[str]:
-    """``python -m torch.distributed.run ... -m dufu train ARGV``."""
+                     max_restarts: int | None = None, command: str = "train") -> list[str]:
+    """``python -m torch.distributed.run ... -m dufu COMMAND ARGV`` (``train``, or ``eval``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes is None and master_addr is None:
         cmd.append("--standalone")
@@ -70,4 +70,4 @@ def torchrun_command(nproc: int, argv: list[str], nnodes: str | None = None, nod
         cmd.append(f"--master-port={master_port}")
     if max_restarts is not None:
         cmd.append(f"--max-restarts={max_restarts}")
-    return cmd + ["-m", "dufu", "train", *argv]
+    return cmd + ["-m", "dufu", command, *argv]

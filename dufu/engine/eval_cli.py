@@ -1,0 +1,196 @@
+"""`dufu eval SOURCE [key=value ...]`: the validation loss, perplexity and (with class labels) accuracy of a run, a
+checkpoint or a Hugging Face directory, in any layout (LiBai's ``--eval-only``).
+
+The numbers come from the trainer's own evaluation (:func:`dufu.engine.evaluation.evaluate`), on the model built
+and split as training builds it, so they are the ``eval_loss`` a run logs, and the same in every layout:
+
+* a dufu run (``output_dir``, ``output_dir/checkpoints`` or one ``step_N``): its ``config.yaml``, with the
+  checkpoint's weights read by DCP into whatever layout the evaluation runs in (``--nproc N``; the saved layout
+  does not matter). A delta run's checkpoint is its base plus the delta, as in training;
+* a Hugging Face directory (``config.json`` + weights + ``tokenizer.json``): the model is built from its config and
+  weights (``L(pretrained_model)(path=DIR)``) and evaluated on the data of ``--config`` (default: the default
+  recipe's built-in corpus), tokenized with the directory's tokenizer.
+
+By default every whole global batch of the validation split is evaluated (``--eval-iter`` caps it); ``--data
+FILE`` evaluates a text/jsonl file or a preprocessed prefix instead, all of it. Nothing is written to the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from dufu.errors import ConfigError, DataError
+
+USAGE_EPILOG = """examples:
+  dufu eval output/default
+  dufu eval output/default/checkpoints/step_0000200 --nproc 2 train.dist.tensor_parallel_size=2
+  dufu eval output/default --data notes.txt --json
+  dufu eval path/to/hf_dir --config gpt_debug
+"""
+
+# Layout keys an evaluation starts from: one process, whatever the run trained in; the command's overrides and
+# --nproc choose the layout (data parallelism takes the processes not given to tensor or pipeline parallelism).
+_SINGLE_LAYOUT = ["train.dist.data_parallel_size=-1", "train.dist.tensor_parallel_size=1",
+                  "train.dist.pipeline_parallel_size=1", "train.dist.sequence_parallel=False",
+                  "train.dist.virtual_pipeline_size=1", "train.zero_optimization.enabled=False"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="dufu eval", description="Validation loss, perplexity and accuracy of a dufu run/checkpoint or a "
+        "Hugging Face directory, in any layout.", epilog=USAGE_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("source", help="a dufu run's output_dir, a checkpoint directory, or a Hugging Face directory")
+    parser.add_argument("--config", default=None,
+                        help="the recipe/config whose data and batch sizes evaluate a Hugging Face directory "
+                        "(default: default); a dufu run uses its own config.yaml")
+    parser.add_argument("--data", default=None, metavar="FILE",
+                        help="evaluate on this text/jsonl file (or preprocessed prefix), all of it, instead of the "
+                        "config's validation split")
+    parser.add_argument("--eval-iter", type=int, default=None,
+                        help="evaluate at most this many global batches (default: the whole validation split)")
+    parser.add_argument("--nproc", type=int, default=None, help="processes; dufu starts them through torchrun")
+    parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.dist.tensor_parallel_size=2")
+    return parser
+
+
+def source_config(source: str, config: str | None, overrides: list[str]):
+    """(config, checkpoint or None, kind) to evaluate ``source`` with: see the module docstring."""
+    from dufu.config import LazyCall, LazyConfig, resolve_config_path
+
+    path = Path(source)
+    if not path.exists():
+        raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
+                        "Hugging Face model directory.")
+    if (path / "config.json").is_file():
+        from dufu.data import build_tokenizer
+        from dufu.engine.pretrained import pretrained_model
+
+        cfg = LazyConfig.load(str(resolve_config_path(config or "default")))
+        if not (path / "tokenizer.json").is_file():
+            raise DataError(f"{path} has no tokenizer.json, so its data cannot be tokenized as the model was "
+                            "trained; add the tokenizer the model was trained with to the directory.")
+        cfg.model = LazyCall(pretrained_model)(path=str(path))
+        cfg.tokenization.tokenizer = LazyCall(build_tokenizer)(kind="pretrained", path=str(path / "tokenizer.json"))
+        cfg = LazyConfig.apply_overrides(cfg, _SINGLE_LAYOUT + overrides)
+        return cfg, None, "Hugging Face directory"
+    if config is not None:
+        raise ConfigError(f"--config applies to a Hugging Face directory; {path} is a dufu run, which is evaluated "
+                          "with its own config.yaml (change its keys with key=value overrides).")
+    from dufu.engine.convert import resolve_checkpoint
+
+    ckpt = resolve_checkpoint(path)
+    if not (ckpt / "config.yaml").is_file():
+        raise DataError(f"{ckpt} is not a dufu checkpoint with a config.yaml (nor a Hugging Face directory with a "
+                        "config.json). Give a run's output_dir, a checkpoint directory or a Hugging Face directory.")
+    from dufu.engine.checkpoint import Checkpointer
+
+    cfg = LazyConfig.load(str(ckpt / "config.yaml"))
+    # The run's global batch, whatever layout it had: evaluation covers the same samples in every layout.
+    batch = Checkpointer.read_meta(ckpt).get("global_batch_size")
+    same_batch = [f"train.global_batch_size={batch}", "train.num_accumulation_steps=None"] if batch else []
+    cfg = LazyConfig.apply_overrides(cfg, _SINGLE_LAYOUT + same_batch + overrides)
+    return cfg, ckpt, "dufu checkpoint"
+
+
+def fit_micro_batch(cfg, overrides: list[str], world_size: int) -> list[str]:
+    """Evaluation keeps the run's global batch in any layout; where the run's micro-batch times the data-parallel
+    size no longer divides it, and the command did not set train.train_micro_batch_size, take the largest
+    micro-batch that does (it changes no number, only how many samples go through at once). Returns the note."""
+    from dufu.parallel.parallel_dims import ParallelDims
+
+    t = cfg.train
+    if any(o.split("=", 1)[0] == "train.train_micro_batch_size" for o in overrides) or not t.global_batch_size:
+        return []
+    dp = ParallelDims.from_config(t.dist, world_size).data_parallel_size
+    per_rank, micro = divmod(t.global_batch_size, dp)
+    if micro or t.global_batch_size % (t.train_micro_batch_size * dp) == 0:
+        return []  # divisible already, or not at all (the batch check says so)
+    new = max(m for m in range(1, t.train_micro_batch_size + 1) if per_rank % m == 0)
+    note = (f"micro-batch {new} instead of the run's {t.train_micro_batch_size}: {t.train_micro_batch_size} x dp "
+            f"{dp} does not divide the global batch {t.global_batch_size}")
+    t.train_micro_batch_size = new
+    return [note]
+
+
+def prepare(source: str, config: str | None, overrides: list[str], world_size: int):
+    """(config, checkpoint or None, kind, notes) for evaluating ``source`` with ``world_size`` processes."""
+    cfg, ckpt, kind = source_config(source, config, list(overrides))
+    notes = fit_micro_batch(cfg, list(overrides), world_size)
+    cfg.train.evaluation.enabled = True
+    return cfg, ckpt, kind, notes
+
+
+def evaluate_source(source: str, config: str | None = None, overrides: list[str] = (), data: str | None = None,
+                    eval_iter: int | None = None) -> dict:
+    """Evaluate ``source`` in this process's layout (every rank of a job calls it); returns the metrics, with
+    what was evaluated."""
+    import os
+
+    from dufu.engine.evaluation import evaluate
+    from dufu.engine.trainer import Trainer
+
+    cfg, ckpt, kind, notes = prepare(source, config, list(overrides), int(os.environ.get("WORLD_SIZE", 1)))
+    with tempfile.TemporaryDirectory(prefix="dufu-eval-") as scratch:
+        if ckpt is not None:  # the run's own directory: the checkpoint is read from it, nothing is written
+            cfg.train.output_dir = str(ckpt.parent.parent)
+        else:
+            cfg.train.output_dir = scratch
+        cfg.train.evaluation.eval_iter = 10**9  # capped below, once the validation set is known
+        cfg.train.checkpointer.async_save = False
+        trainer = Trainer(cfg, resume=ckpt if ckpt is not None else False, log=lambda *a, **k: None)
+        if data is not None:
+            trainer.valid_ds = whole_file_dataset(data, trainer)
+        if trainer.valid_ds is None:
+            raise DataError("the config has no validation split (dataloader.train.valid_fraction=0); give one "
+                            "with dataloader.train.valid_fraction=0.05, or evaluate a file with --data FILE.")
+        batches = len(trainer.valid_ds) // trainer.global_batch_size
+        if batches == 0:
+            raise DataError(f"the validation data has {len(trainer.valid_ds)} samples, fewer than one global batch "
+                            f"({trainer.global_batch_size}); lower train.global_batch_size (and "
+                            "train.train_micro_batch_size) or give more data.")
+        if eval_iter is not None:
+            if eval_iter < 1:
+                raise ConfigError(f"--eval-iter {eval_iter}: give 1 or more global batches.")
+            batches = min(batches, eval_iter)
+        trainer.cfg.train.evaluation.eval_iter = batches
+        if ckpt is not None:
+            trainer.load_checkpoint(ckpt)
+        metrics = evaluate(trainer)
+    return {"source": str(source), "kind": kind, "checkpoint": str(ckpt) if ckpt else None,
+            "step": trainer.step if ckpt else None, "model": trainer.model_name,
+            "parameters": trainer.num_parameters, "world_size": trainer.world_size,
+            "layout": trainer.dims.describe(),
+            "dtype": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "float32",
+            "data": data or "validation split of the config's data", "global_batch_size": trainer.global_batch_size,
+            "seq_length": trainer.seq_length,
+            "batches": batches, "notes": notes, **metrics}
+
+
+def whole_file_dataset(data: str, trainer):
+    """Every sample of ``data`` (text, jsonl or a preprocessed prefix), tokenized with the run's tokenizer."""
+    from dufu.data import TokenDataset, build_lm_datasets
+
+    if not isinstance(trainer.valid_ds, (TokenDataset, type(None))):
+        raise ConfigError(f"--data evaluates language-model text; this run's validation data is a "
+                          f"{type(trainer.valid_ds).__name__}. Change the run's dataloader.train.* keys instead.")
+    whole, _ = build_lm_datasets(data, trainer.tokenizer, trainer.seq_length, valid_fraction=0.0)
+    return whole
+
+
+def format_table(r: dict) -> str:
+    step = f", step {r['step']}" if r["step"] is not None else ""
+    lines = [f"dufu eval: {r['source']} ({r['kind']}{step})",
+             f"  model       {r['model']}, {r['parameters']:,} parameters, {r['dtype']}",
+             f"  layout      {r['world_size']} process{'es' if r['world_size'] > 1 else ''}: {r['layout']}",
+             f"  data        {r['data']}: {r['batches']} global batches x {r['global_batch_size']} = "
+             f"{r['eval_samples']:,} samples",
+             f"  eval_loss   {r['eval_loss']:.4f}",
+             f"  eval_ppl    {r['eval_ppl']:.3f}"]
+    if "eval_accuracy" in r:
+        lines.append(f"  accuracy    {100 * r['eval_accuracy']:.2f}%")
+    lines += [f"  note        {n}" for n in r.get("notes", ())]
+    return "\n".join(lines)

@@ -1,0 +1,84 @@
+"""`dufu eval`: a run's, a checkpoint's or a Hugging Face directory's validation numbers, the same as the run logged
+and the same in every layout."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import launch
+from dufu.cli import main as cli_main
+from dufu.engine.eval_cli import evaluate_source
+from dufu.errors import ConfigError, DataError
+from dufu_testing import read_records
+
+
+def _logged_eval(run_dir, step: int) -> dict:
+    return next(r for r in read_records(run_dir) if r.get("step") == step and "eval_loss" in r)
+
+
+def test_eval_equals_the_runs_own_evaluation(debug_run):
+    """The session's run evaluates 2 global batches at steps 5 and 10: `dufu eval --eval-iter 2` gives the same
+    loss, read from the newest checkpoint; the step-5 checkpoint gives that step's."""
+    logged = _logged_eval(debug_run.output_dir, 10)
+    got = evaluate_source(str(debug_run.output_dir), eval_iter=2)
+    assert got["step"] == 10 and got["eval_samples"] == logged["eval_samples"]
+    assert got["eval_loss"] == pytest.approx(logged["eval_loss"], abs=1e-6)
+    assert got["eval_ppl"] == pytest.approx(logged["eval_ppl"], rel=1e-5)
+    early = evaluate_source(str(debug_run.output_dir / "checkpoints" / "step_0000005"), eval_iter=2)
+    assert early["step"] == 5
+    assert early["eval_loss"] == pytest.approx(_logged_eval(debug_run.output_dir, 5)["eval_loss"], abs=1e-6)
+    # by default every whole global batch of the validation split
+    whole = evaluate_source(str(debug_run.output_dir))
+    assert whole["batches"] * whole["global_batch_size"] == whole["eval_samples"] > got["eval_samples"]
+
+
+def test_eval_of_the_exported_hf_directory_and_of_a_file(debug_run, tmp_path, capsys):
+    """The run as a Hugging Face directory evaluates to the same loss on the recipe's data; --data evaluates all of
+    a text file; --json prints one object."""
+    hf = tmp_path / "hf"
+    assert cli_main(["convert", str(debug_run.output_dir), "--to-hf", str(hf)]) == 0
+    ours = evaluate_source(str(debug_run.output_dir), eval_iter=4)
+    capsys.readouterr()
+    assert cli_main(["eval", str(hf), "--config", "gpt_debug", "--eval-iter", "4", "--json"]) == 0
+    theirs = json.loads(capsys.readouterr().out)
+    assert theirs["kind"] == "Hugging Face directory"
+    assert theirs["eval_loss"] == pytest.approx(ours["eval_loss"], abs=1e-5)
+    text = tmp_path / "notes.txt"
+    text.write_text("A small file of English text, evaluated from its first token to its last. " * 40)
+    got = evaluate_source(str(debug_run.output_dir), data=str(text))
+    tokens = len(text.read_text().encode()) + 1  # gpt_debug's tokenizer: bytes, and an end-of-document token
+    samples = (tokens - 1) // got["seq_length"]  # every sample holds seq_length + 1 tokens, overlapping by one
+    assert got["data"] == str(text)
+    assert got["eval_samples"] == samples // got["global_batch_size"] * got["global_batch_size"] > 0
+
+
+def test_eval_errors_say_what_to_do(debug_run, tmp_path):
+    with pytest.raises(DataError, match="does not exist"):
+        evaluate_source(str(tmp_path / "nothing"))
+    with pytest.raises(ConfigError, match="--config applies to a Hugging Face directory"):
+        evaluate_source(str(debug_run.output_dir), config="gpt_debug")
+    with pytest.raises(ConfigError, match="--eval-iter 0"):
+        evaluate_source(str(debug_run.output_dir), eval_iter=0)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="config.yaml"):
+        evaluate_source(str(tmp_path / "empty"))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [
+    ("train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"),
+    ("train.dist.pipeline_parallel_size=2", "train.train_micro_batch_size=1"),
+    ("train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"),
+], ids=["tp2-sp", "pp2", "dp2-zero3"])
+def test_eval_in_any_layout_equals_one_process(debug_run, layout):
+    """The checkpoint, written by one process, read into two: the same loss as one process evaluating it."""
+    one = evaluate_source(str(debug_run.output_dir), eval_iter=4)
+    proc = launch.run(launch.dufu_command("eval", str(debug_run.output_dir), "--nproc", "2", "--eval-iter", "4",
+                                          "--json", *layout), timeout=300)
+    launch.assert_ok(proc)
+    got = json.loads(proc.stdout[proc.stdout.index("{"):])
+    assert got["world_size"] == 2
+    assert got["eval_samples"] == one["eval_samples"]
+    assert got["eval_loss"] == pytest.approx(one["eval_loss"], abs=1e-5)
