@@ -331,7 +331,7 @@ class Checkpointer:
         available = set(SafeFileSystemReader(str(path)).read_metadata().state_dict_metadata)
         renames = []
         for group in ("model", "optim"):
-            for key in list(state[group]):
+            for key in list(state.get(group, ())):  # load_model asks for the model only
                 if f"{group}.{key}" in available:
                     continue
                 for name, twin in aliases.items():

@@ -81,6 +81,10 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
             "its output and the labels. Use a model with a task head (e.g. a *ForMaskedLM or *ForSequence"
             "Classification class), or pipeline_parallel_size=1."
         )
+    if cfg.get("distill") is not None:
+        from dufu.engine.distill import check_distillation
+
+        check_distillation(instantiate(cfg.distill), pipeline=stage_ids is not None)
     scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
     # A delta run's checkpoints hold only the delta: its base is read from its source on every start.
     base_from = None if getattr(model, "delta_info", None) is not None else resume_from

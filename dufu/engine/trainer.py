@@ -15,11 +15,7 @@ Where the parts live: the start-up checks and the meta model in :mod:`dufu.engin
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import functools
-import math
-import time
+import contextlib, copy, functools, math, time  # noqa: E401
 from pathlib import Path
 from typing import Optional
 
@@ -38,6 +34,7 @@ from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.precision import agree, choose_precision
 from dufu.engine.preflight import build_model, plan_run, with_kwargs
 from dufu.engine.pretrained import load_pretrained
+from dufu.engine.distill import Teacher
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
 from dufu.parallel.compile import decide_compile
@@ -96,6 +93,9 @@ class Trainer:
         self.parts = self._build_parts(model, plan.stage_ids)
         self.model_parts, self.schedule, self.model = self.parts.modules, self.parts.schedule, self.parts.modules[0]
         del model, plan
+        # knowledge distillation: a teacher split like this model (dufu.engine.distill)
+        self.teacher = Teacher(instantiate(cfg.distill), self) if cfg.get("distill") is not None else None
+        self.notices += [self.teacher.describe()] if self.teacher else []
         # Dropout after initialisation: masks differ across data-parallel ranks (they see different samples)
         # and agree across tensor-parallel peers (they hold the same replicated activations).
         torch.manual_seed(t.seed + 1_000_003 * self.dp_rank)
@@ -265,7 +265,8 @@ class Trainer:
                 part.set_requires_gradient_sync(last)
         with self.autocast(amp=False):  # the vocabulary-parallel loss, for forward and backward
             with self.autocast(loss=False):  # mixed precision for the forward only
-                loss = self.model(**inputs).loss * self.target_weight(inputs)
+                loss = self.teacher.loss(self.model, inputs) if self.teacher else self.model(**inputs).loss
+                loss = loss * self.target_weight(inputs)
             (loss * self.scaler.scale if self.scaler else loss).backward()  # outside autocast (torch's advice)
         total += local_scalar(loss)
 

@@ -1,0 +1,147 @@
+"""Knowledge distillation (Hinton et al. 2015, "Distilling the Knowledge in a Neural Network"): a trained teacher
+teaches the model being trained (the student) through its softened output distribution.
+
+A config adds ``distill = L(Distillation)(teacher=PATH, temperature=2.0, kd_weight=0.5)``; the loss of every
+micro-batch becomes
+
+    (1 - kd_weight) * CE(student, labels) + kd_weight * T^2 * KL(softmax(teacher / T) || softmax(student / T))
+
+both averaged over the same targets (labels other than -100), so the trainer's weighting of micro-batches and
+data-parallel ranks (:meth:`dufu.engine.trainer.Trainer.target_weight`) holds for it unchanged. ``T^2`` keeps the
+soft term's gradients at the hard term's scale as T changes (Hinton et al., section 2). ``kd_weight=0`` is plain
+training; evaluation reports the student's own cross entropy, as a run without a teacher does.
+
+The teacher (a dufu run / checkpoint or a Hugging Face directory, ``L(pretrained_model)(path=...)``'s sources) is
+built on the meta device and split like the student: the same tensor (and sequence) parallel plan on the same
+mesh, and under ZeRO its parameters sharded over the data-parallel ranks and gathered for its forward only
+(stage 3: it has no gradients to keep them for); without ZeRO every data-parallel rank holds it whole. It runs
+in eval mode under ``torch.no_grad`` in the student's precision, and is never saved: checkpoints hold the student.
+Teacher and student must share the vocabulary (the same tokenizer).
+
+Under pipeline parallelism the teacher's logits of a micro-batch would have to reach the student's last stage
+inside torch's schedule, whose loss function sees only the output and the target; that is not built yet, and
+a pipeline layout is refused with that reason.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from dufu.errors import ConfigError
+
+
+@dataclass
+class Distillation:
+    """What a ``distill`` config section holds (see the module docstring)."""
+
+    teacher: str
+    temperature: float = 2.0
+    kd_weight: float = 0.5
+
+    def __post_init__(self):
+        if not self.temperature > 0:
+            raise ConfigError(f"distill.temperature = {self.temperature}: use a positive temperature (1 leaves the "
+                              "teacher's distribution as it is; 2-4 are usual).")
+        if not 0 <= self.kd_weight <= 1:
+            raise ConfigError(f"distill.kd_weight = {self.kd_weight}: use a weight in [0, 1] (the soft term's share "
+                              "of the loss; the labels' cross entropy gets the rest).")
+        if not Path(str(self.teacher)).exists():
+            raise ConfigError(f"distill.teacher = {self.teacher!r} does not exist: give a trained dufu run (its "
+                              "output_dir or a checkpoint) or a Hugging Face directory.")
+
+
+def _logits(out) -> torch.Tensor:
+    return out.logits if hasattr(out, "logits") else out
+
+
+def _targets(inputs: dict) -> tuple[dict, torch.Tensor]:
+    """(the model inputs without labels, the targets aligned with the logits): dufu's token batches carry
+    already-shifted ``shift_labels``; masked-LM and classification batches carry ``labels`` that align as they are."""
+    target = inputs.get("shift_labels", inputs.get("labels"))
+    if target is None:
+        raise ConfigError("distillation needs labels in the batch (shift_labels or labels); this data has none.")
+    return {k: v for k, v in inputs.items() if k not in ("labels", "shift_labels")}, target
+
+
+def kd_loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, temperature: float) -> torch.Tensor:
+    """T^2 KL(teacher || student) of the temperature-softened distributions, averaged over the positions whose
+    target is not -100. Vocabulary-sharded logits (DTensors under tensor parallelism) are gathered first: every
+    tensor-parallel rank then computes the same loss, and the gather's backward hands each rank its slice of the
+    logits' gradient. (Summing the KL over the shards as a partial DTensor gave the right loss but gradients that
+    left one-process parity after a step, so the full (..., V) logits are paid for here, unlike the cross entropy
+    of ``loss_parallel``.)"""
+    if isinstance(student, DTensor):
+        student = student.full_tensor()
+    if isinstance(teacher, DTensor):
+        teacher = teacher.full_tensor()
+    log_s = F.log_softmax(student.float() / temperature, dim=-1)  # (..., V)
+    log_t = F.log_softmax(teacher.float() / temperature, dim=-1)
+    kl = (log_t.exp() * (log_t - log_s)).sum(-1)  # (...): per position
+    mask = (target != -100).to(kl.dtype)
+    return (kl * mask).sum() / mask.sum().clamp(min=1.0) * temperature**2
+
+
+def check_distillation(spec: Distillation, pipeline: bool) -> None:
+    """The start-up check (``dufu train --nproc`` runs it once, before any worker): see the module docstring."""
+    if pipeline:
+        raise ConfigError("distillation under pipeline parallelism is not supported yet: the teacher's logits "
+                          "of each micro-batch would have to reach the last stage's loss inside torch's "
+                          "schedule. Use data, tensor and ZeRO parallelism (pipeline_parallel_size=1).")
+
+
+class Teacher:
+    """The teacher's model, split like the student's, and the distillation loss of a micro-batch."""
+
+    def __init__(self, spec: Distillation, trainer):
+        from dufu.engine.checkpoint import Checkpointer
+        from dufu.engine.preflight import pretrained_weights
+        from dufu.engine.pretrained import pretrained_model
+        from dufu.parallel.build import build_model_parts
+
+        check_distillation(spec, pipeline=trainer.schedule is not None)
+        self.spec = spec
+        t, zero = trainer.cfg.train, trainer.cfg.train.zero_optimization
+        with torch.device("meta"):
+            model = pretrained_model(spec.teacher)
+        student_vocab = getattr(trainer.model, "vocab_size", None)
+        if getattr(model, "vocab_size", None) != student_vocab:
+            raise ConfigError(f"the teacher {spec.teacher} has a vocabulary of {getattr(model, 'vocab_size', None)} "
+                              f"tokens, the student {student_vocab}: distillation compares their distributions "
+                              "token by token, so both need the same tokenizer and model.vocab_size.")
+        model.requires_grad_(False)
+        weights = pretrained_weights(model, None)
+        parts = build_model_parts(
+            model, trainer.mesh, trainer.device, stage_ids=None, meta_init=True, seed=t.seed,
+            pretrained=weights.source, init_parameters=False,
+            tensor_parallel=trainer.dims.tp_enabled, sequence_parallel=bool(t.dist.get("sequence_parallel")),
+            data_parallel=bool(zero.enabled) and trainer.dims.dp_enabled,
+            zero_stage=3 if zero.enabled else None, activation_checkpoint=None, compile=False)
+        if weights.checkpoint is not None:
+            Checkpointer(weights.checkpoint.parent, rank=trainer.rank).load_model(weights.checkpoint, parts.modules)
+        self.model = parts.modules[0].eval()
+        self.num_parameters = sum(p.numel() for p in model.parameters())
+        self.name = type(model).__name__
+
+    def loss(self, student, inputs: dict) -> torch.Tensor:
+        """The micro-batch's loss (module docstring), under the trainer's autocast and loss_parallel contexts."""
+        inputs, target = _targets(inputs)
+        with torch.no_grad():
+            teacher = _logits(self.model(**inputs))
+        logits = _logits(student(**inputs))
+        w = self.spec.kd_weight
+        hard = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100)
+        if isinstance(hard, DTensor):  # the vocabulary-parallel loss: a replicated scalar
+            hard = hard.full_tensor()
+        if w == 0:
+            return hard
+        return (1 - w) * hard + w * kd_loss(logits, teacher, target, self.spec.temperature)
+
+    def describe(self) -> str:
+        s = self.spec
+        return (f"distillation from {s.teacher} ({self.name}, {self.num_parameters:,} parameters): "
+                f"temperature {s.temperature}, kd_weight {s.kd_weight}")
