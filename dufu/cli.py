@@ -22,8 +22,9 @@ commands:
   eval SOURCE [--nproc N] [--data FILE] [--json] [key=value ...]
                       validation loss, perplexity and accuracy of a run/checkpoint or a Hugging Face directory,
                       in any layout (dufu eval -h)
-  generate SOURCE --prompt TEXT
-                      sample text from a run/checkpoint or a Hugging Face directory (dufu generate -h)
+  generate SOURCE --prompt TEXT [--prompt ...] [--num-beams K] [--stop S] [--max-memory SIZE]
+                      generate text (several prompts, sampling or beams, stop strings, T5) from a run/checkpoint,
+                      a Hugging Face directory or a quantized directory (dufu generate -h)
   configs             list the packaged recipes
   convert CKPT (--to-hf DIR | --to-torch FILE.pt)
                       a sharded checkpoint (or a run's output_dir) as a Hugging Face directory or one file

@@ -1,9 +1,14 @@
-"""`dufu generate CHECKPOINT_OR_HF_DIR --prompt "..."`: continue a prompt with a trained or imported model.
+"""`dufu generate CHECKPOINT_OR_HF_DIR --prompt "..."`: continue prompts with a trained or imported model.
 
 The source is either a dufu run (its ``output_dir``, ``output_dir/checkpoints`` or one
 ``checkpoints/step_N``: the model comes from the checkpoint's ``config.yaml`` and weights, the tokenizer
 from ``output_dir/tokenizer.json``) or a Hugging Face directory (``config.json`` + weights +
 ``tokenizer.json``). Runs in one process; decoding uses a KV cache.
+
+Several prompts (``--prompt`` repeated, ``--prompts-file``) run as one left-padded batch. A causal LM prints
+each prompt followed by its continuation; an encoder-decoder (T5) reads the prompt with its encoder, ended
+by the end-of-sequence token as T5's tokenizer and dufu's span corruption end every input, and prints what
+its decoder generates. With several prompts the results are separated by a blank line.
 """
 
 from __future__ import annotations
@@ -19,7 +24,11 @@ USAGE_EPILOG = """examples:
   dufu generate output/default --prompt "The "
   dufu generate output/llama_debug/checkpoints/step_0000020 --prompt "A class " --greedy
   dufu generate path/to/hf_dir --prompt "Hello" --max-new-tokens 32 --top-p 0.9
+  dufu generate path/to/hf_dir --prompt "Hello" --prompt "Once upon" --num-beams 4 --stop "."
+  dufu generate path/to/t5_dir --prompts-file questions.txt --greedy --repetition-penalty 1.2
 """
+
+DEFAULT_TEMPERATURE = 0.8
 
 
 def load_for_generation(path: str | Path, device: str = "cpu"):
@@ -56,39 +65,115 @@ def load_for_generation(path: str | Path, device: str = "cpu"):
     return model.to(device).eval(), tokenizer, eos
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="dufu generate", description="Continue a prompt with a dufu checkpoint or a Hugging Face model.",
+        prog="dufu generate", description="Continue prompts with a dufu checkpoint or a Hugging Face model (an "
+        "encoder-decoder such as T5 prints what it generates from each prompt).",
         epilog=USAGE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("source", help="a dufu run's output_dir, a checkpoint directory, or a Hugging Face directory")
-    parser.add_argument("--prompt", required=True, help="the text to continue")
+    parser.add_argument("--prompt", action="append", default=[],
+                        help="a text to continue (repeat for several prompts, generated as one batch)")
+    parser.add_argument("--prompts-file", metavar="FILE",
+                        help="a text file with one prompt per line (empty lines are skipped), after any --prompt")
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8)
+    parser.add_argument("--temperature", type=float, default=None,
+                        help=f"sampling temperature (default {DEFAULT_TEMPERATURE})")
     parser.add_argument("--top-k", type=int, default=None)
     parser.add_argument("--top-p", type=float, default=None)
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token (temperature 0)")
+    parser.add_argument("--num-beams", type=int, default=1,
+                        help="beam search with this many beams (deterministic: no sampling options)")
+    parser.add_argument("--length-penalty", type=float, default=1.0,
+                        help="beam search: a finished sequence scores sum(log p) / length ** this")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0,
+                        help="> 1 discourages tokens already in the prompt or the output (CTRL's penalty)")
+    parser.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                        help="stop a prompt's generation once its output contains TEXT, and print the output up "
+                        "to it (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    args = parser.parse_args(argv)
-    if args.max_new_tokens < 0 or args.temperature < 0:
+    return parser
+
+
+def read_prompts(args, parser: argparse.ArgumentParser) -> list[str]:
+    prompts = list(args.prompt)
+    if args.prompts_file is not None:
+        path = Path(args.prompts_file)
+        if not path.is_file():
+            raise DataError(f"--prompts-file {path} does not exist or is not a file; give a text file with one "
+                            "prompt per line.")
+        prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line]
+        if not prompts:
+            raise DataError(f"--prompts-file {path} has no prompt: write one prompt per line.")
+    if not prompts:
+        parser.error("give a prompt: --prompt TEXT (repeatable) or --prompts-file FILE")
+    return prompts
+
+
+def check_args(args, parser: argparse.ArgumentParser) -> None:
+    if args.max_new_tokens < 0 or (args.temperature is not None and args.temperature < 0):
         parser.error("--max-new-tokens and --temperature must not be negative")
+    if args.num_beams < 1:
+        parser.error(f"--num-beams {args.num_beams}: give 1 or more (1 = no beam search)")
+    if args.num_beams > 1:
+        sampling = [f for f, v in (("--temperature", args.temperature), ("--top-k", args.top_k),
+                                   ("--top-p", args.top_p)) if v is not None]
+        if sampling:
+            parser.error(f"--num-beams {args.num_beams} keeps the most likely sequences and samples nothing; "
+                         f"drop {', '.join(sampling)} (or use --num-beams 1 to sample)")
+    if not args.repetition_penalty > 0:
+        parser.error(f"--repetition-penalty {args.repetition_penalty}: give a number > 0 (1 = no penalty)")
+    if any(not s for s in args.stop):
+        parser.error("--stop needs a non-empty text")
 
-    from dufu.engine.generate import generate
 
-    model, tokenizer, eos = load_for_generation(args.source, args.device)
-    ids = tokenizer.encode(args.prompt)
-    if not ids:
-        parser.error("--prompt is empty after tokenization; give some text")
-    prompt = torch.tensor([ids], device=args.device)
-    generator = torch.Generator(device=args.device).manual_seed(args.seed)
+def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token lists of different lengths -> (ids, attention_mask), both (B, T), padding on the left."""
+    T = max(len(r) for r in rows)
+    ids = torch.full((len(rows), T), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros((len(rows), T), dtype=torch.long, device=device)
+    for i, r in enumerate(rows):
+        if r:
+            ids[i, T - len(r):] = torch.tensor(r, dtype=torch.long, device=device)
+            mask[i, T - len(r):] = 1
+    return ids, mask
+
+
+def generate_texts(model, tokenizer, eos, prompts: list[str], args) -> list[str]:
+    """The printed result of each prompt: prompt + continuation (causal LM) or the decoder's output (T5)."""
+    from dufu.engine.generate import StopStrings, continuation_text, generate, is_encoder_decoder
+
+    seq2seq = is_encoder_decoder(model)
+    rows = []
+    for text in prompts:
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise DataError(f"the prompt {text!r} is empty after tokenization; give some text.")
+        rows.append(ids + [eos] if seq2seq and eos is not None else ids)
+    prompt, mask = left_padded(rows, eos if eos is not None else 0, args.device)
+    stop = StopStrings(tokenizer.decode, args.stop) if args.stop else None
+    temperature = 0.0 if args.greedy else (args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE)
+    if args.num_beams > 1:
+        temperature = 0.0  # check_args refused sampling options; beam search is deterministic
     out = generate(
-        model, prompt, args.max_new_tokens, temperature=0.0 if args.greedy else args.temperature,
-        top_k=args.top_k, top_p=args.top_p, eos_id=eos,
-        max_context=getattr(model, "max_position_embeddings", None), generator=generator,
+        model, prompt, args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
+        eos_id=eos, attention_mask=mask if not bool(mask.all()) else None,
+        max_context=getattr(model, "max_position_embeddings", None),
+        generator=torch.Generator(device=args.device).manual_seed(args.seed),
+        repetition_penalty=args.repetition_penalty, num_beams=args.num_beams, length_penalty=args.length_penalty,
+        stop=stop, pad_id=eos if eos is not None else 0,
     )
-    new = out[0, prompt.shape[1]:].tolist()
-    if eos is not None and eos in new:
-        new = new[:new.index(eos)]
-    print(args.prompt + tokenizer.decode(new))
+    first = 1 if seq2seq else prompt.shape[1]  # after the decoder start token, or after the (padded) prompt
+    texts = [continuation_text(row[first:].tolist(), tokenizer.decode, eos, stop) for row in out]
+    return texts if seq2seq else [p + t for p, t in zip(prompts, texts)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    check_args(args, parser)
+    prompts = read_prompts(args, parser)
+    model, tokenizer, eos = load_for_generation(args.source, args.device)
+    print("\n\n".join(generate_texts(model, tokenizer, eos, prompts, args)))
     return 0

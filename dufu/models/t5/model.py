@@ -29,7 +29,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dufu.layers import MLP, Attention, GatedMLP, HeadwiseEmbedding, Linear, RMSNorm, VocabEmbedding
+from dufu.layers import MLP, Attention, GatedMLP, HeadwiseEmbedding, KVCache, Linear, RMSNorm, VocabEmbedding
 from dufu.layers.attention import padding_mask_to_bias
 from dufu.layers.loss import seq2seq_lm_loss
 from dufu.models.base import InitByModule
@@ -62,10 +62,13 @@ class T5Block(nn.Module):
             self.mlp = GatedMLP(d_model, d_ff, activation="gelu_tanh", bias=False, dropout=dropout)
 
     def forward(self, x: torch.Tensor, position_bias: torch.Tensor, encoder_hidden_states: Optional[torch.Tensor] = None,
-                encoder_bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        x = x + self.self_attn(self.ln_self(x), position_bias=position_bias)
+                encoder_bias: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        # kv_cache: the self-attention appends this step's keys/values; the cross-attention computes the
+        # encoder's keys/values on the first step and reuses them after (see Attention.forward)
+        x = x + self.self_attn(self.ln_self(x), position_bias=position_bias, kv_cache=kv_cache)
         if self.cross_attn is not None:
-            x = x + self.cross_attn(self.ln_cross(x), attention_mask=encoder_bias, kv=encoder_hidden_states)
+            x = x + self.cross_attn(self.ln_cross(x), attention_mask=encoder_bias, kv=encoder_hidden_states,
+                                    kv_cache=kv_cache)
         return x + self.mlp(self.ln_mlp(x))
 
 
@@ -89,10 +92,18 @@ class T5Stack(nn.Module):
 
     def forward(self, h: torch.Tensor, attention_mask: Optional[torch.Tensor] = None,
                 encoder_hidden_states: Optional[torch.Tensor] = None,
-                encoder_attention_mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """h: embedded tokens (B, T, C); masks (B, T) / (B, S) with 1 = token, 0 = padding."""
+                encoder_attention_mask: Optional[torch.Tensor] = None, kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        """h: embedded tokens (B, T, C); masks (B, T) / (B, S) with 1 = token, 0 = padding. ``kv_cache``
+        (decoder, incremental decoding): h holds the positions after those already cached, and
+        ``attention_mask`` covers the cached positions too, (B, past + T)."""
         T = h.shape[1]
-        bias = self.relative_bias(T, T)  # (1, nh, T, T); the decoder's causal mask is added in Attention
+        past = 0
+        if kv_cache is not None and len(self.blocks):
+            cached = kv_cache.get(next(iter(self.blocks.values())).self_attn)
+            past = 0 if cached is None else cached[0].shape[2]
+        # (1, nh, T, past + T): the rows of queries past .. past + T - 1; the decoder's causal mask is added
+        # in Attention
+        bias = self.relative_bias(T, past + T, offset=past)
         if attention_mask is not None:
             bias = bias + padding_mask_to_bias(attention_mask, bias.dtype)  # (B, nh, T, T)
         encoder_bias = None
@@ -100,7 +111,7 @@ class T5Stack(nn.Module):
             encoder_bias = padding_mask_to_bias(encoder_attention_mask, h.dtype)  # (B, 1, 1, S)
         h = self.drop(h)
         for block in self.blocks.values():
-            h = block(h, bias, encoder_hidden_states, encoder_bias)
+            h = block(h, bias, encoder_hidden_states, encoder_bias, kv_cache=kv_cache)
         return self.drop(self.final_norm(h))
 
 
@@ -255,16 +266,19 @@ class T5ForConditionalGeneration(_T5Base):
         decoder_attention_mask: Optional[torch.Tensor] = None,
         labels: Optional[torch.Tensor] = None,
         encoder_outputs: Optional[torch.Tensor] = None,
+        kv_cache: Optional[KVCache] = None,
     ) -> ModelOutput:
         """Hugging Face semantics: ``labels`` (B, T) are the target ids (-100 = ignored); without
         ``decoder_input_ids`` the decoder reads the labels shifted right. ``encoder_outputs``: a
-        precomputed encoder output (B, S, C) to reuse (e.g. while decoding)."""
+        precomputed encoder output (B, S, C) to reuse (e.g. while decoding). ``kv_cache``: incremental
+        decoding; ``decoder_input_ids`` are then the tokens after those already cached (the decoder's
+        self-attention keys/values grow in the cache, the cross-attention ones are computed once)."""
         enc = self.encode(input_ids, attention_mask) if encoder_outputs is None else encoder_outputs
         if decoder_input_ids is None:
             if labels is None:
                 raise ValueError(f"{type(self).__name__} needs decoder_input_ids or labels (to shift right into decoder inputs)")
             decoder_input_ids = self.shift_right(labels)
-        dec = self.decoder(self._embed(decoder_input_ids), decoder_attention_mask, enc, attention_mask)
+        dec = self.decoder(self._embed(decoder_input_ids), decoder_attention_mask, enc, attention_mask, kv_cache)
         if self.lm_head is None:
             return ModelOutput(last_hidden_state=dec)
         if self.scale_decoder_outputs:
@@ -338,12 +352,16 @@ class T5ForConditionalGeneration(_T5Base):
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, attention_mask: Optional[torch.Tensor] = None,
                  eos_token_id: Optional[int] = None) -> torch.Tensor:
-        """Greedy decoding (the encoder runs once) -> (B, 1 + n) ids starting with the decoder start token."""
+        """Greedy decoding (the encoder runs once, the decoder one token per step on a key/value cache) ->
+        (B, 1 + n) ids starting with the decoder start token. ``dufu.engine.generate`` adds beam search,
+        sampling and repetition penalties."""
         enc = self.encode(input_ids, attention_mask)
         out = torch.full((input_ids.shape[0], 1), self.decoder_start_token_id, dtype=torch.long, device=input_ids.device)
         done = torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+        cache = KVCache()
         for _ in range(max_new_tokens):
-            logits = self(attention_mask=attention_mask, decoder_input_ids=out, encoder_outputs=enc).logits
+            logits = self(attention_mask=attention_mask, decoder_input_ids=out[:, -1:], encoder_outputs=enc,
+                          kv_cache=cache).logits
             nxt = logits[:, -1].float().argmax(-1)
             if eos_token_id is not None:
                 nxt = nxt.masked_fill(done, self.pad_token_id)
