@@ -14,6 +14,7 @@ its decoder generates. With several prompts the results are separated by a blank
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import torch
@@ -31,8 +32,12 @@ USAGE_EPILOG = """examples:
 DEFAULT_TEMPERATURE = 0.8
 
 
-def load_for_generation(path: str | Path, device: str = "cpu"):
-    """(model in eval mode, tokenizer, end-of-text id or None) from a dufu run/checkpoint or an HF directory."""
+def load_for_generation(path: str | Path, device: str = "cpu", max_memory: int | None = None, prompts=(),
+                        max_new_tokens: int = 0, batch_size: int = 1):
+    """(model in eval mode, tokenizer, end-of-text id or None) from a dufu run/checkpoint or an HF directory.
+    ``max_memory`` (bytes): keep at most that much of the model's tensors in memory and stream the other blocks
+    from the memory-mapped safetensors (:mod:`dufu.engine.streaming`), reserving room for ``batch_size`` rows of
+    the longest of ``prompts`` plus ``max_new_tokens``."""
     from dufu.data import build_tokenizer
     from dufu.engine.pretrained import from_pretrained, pretrained_model
     from dufu.models.hub import read_hf_config
@@ -42,7 +47,7 @@ def load_for_generation(path: str | Path, device: str = "cpu"):
         raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
                         "Hugging Face model directory.")
     if (path / "config.json").is_file():
-        model = from_pretrained(path)
+        model = from_pretrained(path) if max_memory is None else None
         tokenizer = build_tokenizer("pretrained", path=path)
         eos = read_hf_config(path).get("eos_token_id")
         if isinstance(eos, list):
@@ -55,13 +60,22 @@ def load_for_generation(path: str | Path, device: str = "cpu"):
         from dufu.engine.delta_run import is_delta_checkpoint, load_delta_run
 
         ckpt = resolve_checkpoint(path)
-        model = load_delta_run(ckpt) if is_delta_checkpoint(ckpt) else pretrained_model(ckpt)  # delta: base + delta
+        model = None if max_memory is not None else (  # a delta run: its base + the delta
+            load_delta_run(ckpt) if is_delta_checkpoint(ckpt) else pretrained_model(ckpt))
         saved = ckpt.parent.parent / "tokenizer.json"  # written by the trainer into output_dir
         if saved.is_file():
             tokenizer = build_tokenizer("pretrained", path=saved)
         else:
             tokenizer = instantiate(LazyConfig.load(str(ckpt / "config.yaml")).tokenization.tokenizer)
         eos = tokenizer.eod_id
+    if max_memory is not None:  # stream what does not fit, with room reserved for these prompts
+        from dufu.engine.streaming import load_streaming
+
+        longest = max((len(tokenizer.encode(p)) for p in prompts), default=0)
+        model = load_streaming(path, max_memory, device, batch_size=batch_size,
+                               max_tokens=max(1, longest + max_new_tokens))
+        print(model.streaming_plan.describe(), file=sys.stderr)
+        return model, tokenizer, eos  # on its device already: streamed blocks stay on meta between forwards
     return model.to(device).eval(), tokenizer, eos
 
 
@@ -93,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "to it (repeatable)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for sampling")
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    parser.add_argument("--max-memory", default=None, metavar="SIZE",
+                        help="hold at most SIZE of the model's tensors (2GB, 512MiB, 1.5G); blocks that do not fit "
+                        "are streamed from the memory-mapped safetensors (GPT, LLaMA, Qwen2; docs/inference.md)")
     return parser
 
 
@@ -174,6 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(args, parser)
     prompts = read_prompts(args, parser)
-    model, tokenizer, eos = load_for_generation(args.source, args.device)
+    from dufu.engine.streaming import parse_bytes
+
+    max_memory = parse_bytes(args.max_memory) if args.max_memory is not None else None
+    model, tokenizer, eos = load_for_generation(args.source, args.device, max_memory=max_memory, prompts=prompts,
+                                                max_new_tokens=args.max_new_tokens,
+                                                batch_size=len(prompts) * (args.num_beams or 1))
     print("\n\n".join(generate_texts(model, tokenizer, eos, prompts, args)))
     return 0
