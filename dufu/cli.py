@@ -25,6 +25,11 @@ commands:
   generate SOURCE --prompt TEXT [--prompt ...] [--num-beams K] [--stop S] [--max-memory SIZE]
                       generate text (several prompts, sampling or beams, stop strings, T5) from a run/checkpoint,
                       a Hugging Face directory or a quantized directory (dufu generate -h)
+  prune SOURCE OUTPUT_DIR --heads-keep F --ffn-keep F [--importance magnitude|first-order]
+                      structured pruning of attention heads and FFN neurons: a smaller model of the same family
+                      (docs/pruning.md)
+  quantize SOURCE --scheme int8-weight|int8-dynamic|int4-weight --output DIR
+                      post-training quantization on torchao (docs/quantization.md)
   configs             list the packaged recipes
   convert CKPT (--to-hf DIR | --to-torch FILE.pt)
                       a sharded checkpoint (or a run's output_dir) as a Hugging Face directory or one file
@@ -290,8 +295,11 @@ def cmd_eval(argv: list[str]) -> int:
 
         if args.nproc < 1:
             raise DufuError(f"--nproc {args.nproc}: give 1 or more processes.")
+        from dufu.engine.delta_run import is_delta_checkpoint
+
         cfg, ckpt, _, _ = prepare(args.source, args.config, overrides, args.nproc)
-        preflight(cfg, world_size=args.nproc, resume=ckpt if ckpt is not None else False)  # one clear error
+        preflight(cfg, world_size=args.nproc,  # one clear error, before any worker starts
+                  resume=ckpt if ckpt is not None and is_delta_checkpoint(ckpt) else False)
         forwarded = [args.source, *overrides]
         for flag, value in (("--config", args.config), ("--data", args.data), ("--eval-iter", args.eval_iter)):
             if value is not None:
@@ -310,6 +318,18 @@ def cmd_eval(argv: list[str]) -> int:
     return 0
 
 
+def cmd_prune(argv: list[str]) -> int:
+    from dufu.engine.prune_cli import main as prune_main
+
+    return prune_main(argv)
+
+
+def cmd_quantize(argv: list[str]) -> int:
+    from dufu.engine.quantize_cli import main as quantize_main
+
+    return quantize_main(argv)
+
+
 def cmd_generate(argv: list[str]) -> int:
     from dufu.engine.generate_cli import main as generate_main
 
@@ -317,7 +337,7 @@ def cmd_generate(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "configs": cmd_configs, "preprocess": cmd_preprocess, "convert": cmd_convert,
-            "generate": cmd_generate, "plan": cmd_plan}
+            "generate": cmd_generate, "plan": cmd_plan, "prune": cmd_prune, "quantize": cmd_quantize}
 
 
 def main(argv: list[str] | None = None) -> int:

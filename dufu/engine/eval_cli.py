@@ -18,6 +18,7 @@ FILE`` evaluates a text/jsonl file or a preprocessed prefix instead, all of it. 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 from pathlib import Path
 
@@ -121,6 +122,8 @@ def prepare(source: str, config: str | None, overrides: list[str], world_size: i
     cfg, ckpt, kind = source_config(source, config, list(overrides))
     notes = fit_micro_batch(cfg, list(overrides), world_size)
     cfg.train.evaluation.enabled = True
+    # never the run's own directory (its checks would refuse a directory holding a run; evaluation writes nothing)
+    cfg.train.output_dir = str(Path(tempfile.gettempdir()) / f"dufu-eval-{os.getpid()}-unused")
     return cfg, ckpt, kind, notes
 
 
@@ -128,20 +131,21 @@ def evaluate_source(source: str, config: str | None = None, overrides: list[str]
                     eval_iter: int | None = None) -> dict:
     """Evaluate ``source`` in this process's layout (every rank of a job calls it); returns the metrics, with
     what was evaluated."""
-    import os
-
     from dufu.engine.evaluation import evaluate
     from dufu.engine.trainer import Trainer
 
     cfg, ckpt, kind, notes = prepare(source, config, list(overrides), int(os.environ.get("WORLD_SIZE", 1)))
+    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.delta_run import is_delta_checkpoint
+
+    # A delta checkpoint holds the delta only: it is resumed, so the base comes from its source as in training.
+    # Any other checkpoint gives the model weights alone (it may hold no optimizer state, e.g. a pruned model).
+    delta = ckpt is not None and is_delta_checkpoint(ckpt)
     with tempfile.TemporaryDirectory(prefix="dufu-eval-") as scratch:
-        if ckpt is not None:  # the run's own directory: the checkpoint is read from it, nothing is written
-            cfg.train.output_dir = str(ckpt.parent.parent)
-        else:
-            cfg.train.output_dir = scratch
+        cfg.train.output_dir = scratch  # nothing is written to the run
         cfg.train.evaluation.eval_iter = 10**9  # capped below, once the validation set is known
         cfg.train.checkpointer.async_save = False
-        trainer = Trainer(cfg, resume=ckpt if ckpt is not None else False, log=lambda *a, **k: None)
+        trainer = Trainer(cfg, resume=ckpt if delta else False, log=lambda *a, **k: None)
         if data is not None:
             trainer.valid_ds = whole_file_dataset(data, trainer)
         if trainer.valid_ds is None:
@@ -157,8 +161,11 @@ def evaluate_source(source: str, config: str | None = None, overrides: list[str]
                 raise ConfigError(f"--eval-iter {eval_iter}: give 1 or more global batches.")
             batches = min(batches, eval_iter)
         trainer.cfg.train.evaluation.eval_iter = batches
-        if ckpt is not None:
+        if delta:
             trainer.load_checkpoint(ckpt)
+        elif ckpt is not None:  # each rank reads the chunks of its own shards (DCP), in this layout
+            Checkpointer(ckpt.parent, rank=trainer.rank).load_model(ckpt, trainer.model_parts)
+            trainer.step = int(Checkpointer.read_meta(ckpt).get("step", 0))
         metrics = evaluate(trainer)
     return {"source": str(source), "kind": kind, "checkpoint": str(ckpt) if ckpt else None,
             "step": trainer.step if ckpt else None, "model": trainer.model_name,

@@ -176,6 +176,6 @@ class CausalSelfAttention(Attention):
     """GPT-style causal self-attention (biases on every projection)."""
 
     def __init__(self, hidden_size: int, num_heads: int, bias: bool = True, attention_dropout: float = 0.0,
-                 dropout: float = 0.0):
-        super().__init__(hidden_size, num_heads, qkv_bias=bias, out_bias=bias, causal=True,
+                 dropout: float = 0.0, head_dim: Optional[int] = None):
+        super().__init__(hidden_size, num_heads, head_dim=head_dim, qkv_bias=bias, out_bias=bias, causal=True,
                          attention_dropout=attention_dropout, dropout=dropout)

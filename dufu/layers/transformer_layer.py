@@ -30,12 +30,15 @@ class TransformerLayer(nn.Module):
         layernorm_epsilon: float = 1e-5,
         activation: str = "gelu_tanh",
         bias: bool = True,
+        head_dim: Optional[int] = None,
     ):
+        """``head_dim``: each head's size (default hidden_size // num_heads; a pruned model keeps its heads' size
+        with fewer of them)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.ln1 = LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.attn = CausalSelfAttention(
-            hidden_size, num_heads, bias=bias, attention_dropout=attention_dropout, dropout=dropout
+            hidden_size, num_heads, bias=bias, attention_dropout=attention_dropout, dropout=dropout, head_dim=head_dim
         )
         self.ln2 = LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.mlp = MLP(hidden_size, ffn_hidden_size, activation=activation, bias=bias, dropout=dropout)

@@ -99,7 +99,14 @@ class HFMapping:
         """The transformers config dict of ``model`` (``architectures`` names its own class when mapped)."""
         name = type(model).__name__
         arch = name if name in self.classes else self.default_architecture
-        return self.config.to_hf(model, {"architectures": [arch], "model_type": self.model_type})
+        hf = self.config.to_hf(model, {"architectures": [arch], "model_type": self.model_type})
+        heads, head_dim = getattr(model, "num_attention_heads", None), getattr(model, "head_dim", None)
+        if heads and head_dim and "head_dim" not in hf and heads * head_dim != getattr(model, "hidden_size", 0):
+            # e.g. a pruned GPT-2 or BERT (dufu.compress.prune): fewer heads of the original size
+            raise DufuError(f"{name} has {heads} heads of {head_dim} (= {heads * head_dim}), not hidden_size "
+                            f"{model.hidden_size}; transformers' {self.model_type} config derives the head size from "
+                            "the hidden size, so it cannot describe this model. Keep it as a dufu run/directory.")
+        return hf
 
     # ------------------------------------------------------------------ names
     def _values(self, match: re.Match, model: nn.Module, prefix: str) -> dict:

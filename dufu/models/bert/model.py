@@ -64,11 +64,12 @@ class BertLayer(nn.Module):
         attention_dropout: float = 0.1,
         layernorm_epsilon: float = 1e-12,
         activation: str = "gelu",
+        head_dim: Optional[int] = None,
     ):
         super().__init__()
         self.layer_idx = layer_idx
-        self.attn = Attention(hidden_size, num_heads, causal=False, attention_dropout=attention_dropout,
-                              dropout=dropout)
+        self.attn = Attention(hidden_size, num_heads, head_dim=head_dim, causal=False,
+                              attention_dropout=attention_dropout, dropout=dropout)
         self.ln1 = LayerNorm(hidden_size, eps=layernorm_epsilon)
         self.mlp = MLP(hidden_size, ffn_hidden_size, activation=activation, dropout=dropout)
         self.ln2 = LayerNorm(hidden_size, eps=layernorm_epsilon)
@@ -156,17 +157,23 @@ class _BertEncoder(InitByModule, nn.Module):
         activation: str = "gelu",
         pad_token_id: Optional[int] = 0,
         initializer_range: float = 0.02,
+        head_dim: Optional[int] = None,
     ):
+        """``head_dim``: the size of each attention head; default ``hidden_size // num_attention_heads`` (BERT).
+        A pruned model (:mod:`dufu.compress.prune`) has fewer heads of the original size."""
         super().__init__()
-        if hidden_size % num_attention_heads != 0:
-            raise ValueError(
-                f"{type(self).__name__}: hidden_size {hidden_size} must be divisible by num_attention_heads "
-                f"{num_attention_heads}"
-            )
+        if head_dim is None:
+            if hidden_size % num_attention_heads != 0:
+                raise ValueError(
+                    f"{type(self).__name__}: hidden_size {hidden_size} must be divisible by num_attention_heads "
+                    f"{num_attention_heads} (or give head_dim)"
+                )
+            head_dim = hidden_size // num_attention_heads
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.num_attention_heads = num_attention_heads
+        self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
         self.type_vocab_size = type_vocab_size
         self.pad_token_id = pad_token_id
@@ -188,7 +195,7 @@ class _BertEncoder(InitByModule, nn.Module):
             {
                 str(i): BertLayer(hidden_size, num_attention_heads, ffn_hidden_size, layer_idx=i,
                                   dropout=hidden_dropout, attention_dropout=attention_dropout,
-                                  layernorm_epsilon=layernorm_epsilon, activation=activation)
+                                  layernorm_epsilon=layernorm_epsilon, activation=activation, head_dim=head_dim)
                 for i in range(num_layers)
             }
         )

@@ -44,8 +44,13 @@ class GPTModel(InitByModule, nn.Module):
         initializer_range: float = 0.02,
         fused_loss: bool = False,
         pretrained: Optional[str] = None,
+        head_dim: Optional[int] = None,
     ):
-        """``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
+        """``head_dim``: the size of each attention head; default ``hidden_size // num_attention_heads`` (GPT-2).
+        A pruned model (:mod:`dufu.compress.prune`) has fewer heads of the original size, so
+        ``num_attention_heads * head_dim`` may be less than ``hidden_size``.
+
+        ``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
         building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it.
 
         ``fused_loss``: with labels, compute the head and the cross entropy together, chunk by chunk
@@ -54,14 +59,16 @@ class GPTModel(InitByModule, nn.Module):
         returns logits to ``pipeline_loss``), the logits are computed as always. Off by default: it
         saves memory but measured no faster at the default recipe's shape (benchmarks/fused_loss.py)."""
         super().__init__()
-        if hidden_size % num_attention_heads != 0:
-            raise ValueError(
-                f"GPTModel: hidden_size {hidden_size} must be divisible by num_attention_heads {num_attention_heads}"
-            )
+        if head_dim is None:
+            if hidden_size % num_attention_heads != 0:
+                raise ValueError(f"GPTModel: hidden_size {hidden_size} must be divisible by num_attention_heads "
+                                 f"{num_attention_heads} (or give head_dim)")
+            head_dim = hidden_size // num_attention_heads
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
         self.num_layers = num_layers
         self.num_attention_heads = num_attention_heads
+        self.head_dim = head_dim
         self.max_position_embeddings = max_position_embeddings
         self.initializer_range = initializer_range
         self.tie_word_embeddings = tie_word_embeddings
@@ -88,6 +95,7 @@ class GPTModel(InitByModule, nn.Module):
                     layernorm_epsilon=layernorm_epsilon,
                     activation=activation,
                     bias=bias,
+                    head_dim=head_dim,
                 )
                 for i in range(num_layers)
             }

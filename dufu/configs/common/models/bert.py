@@ -9,6 +9,7 @@ model = L(BertForMaskedLM)(
     hidden_size=768,
     num_layers=12,
     num_attention_heads=12,
+    head_dim=None,  # hidden_size // num_attention_heads; a pruned model keeps its heads' size with fewer heads
     ffn_hidden_size=None,  # 4 x hidden_size
     max_position_embeddings=512,
     type_vocab_size=2,

@@ -7,6 +7,7 @@ model = L(GPTModel)(
     hidden_size=768,
     num_layers=12,
     num_attention_heads=12,
+    head_dim=None,  # hidden_size // num_attention_heads; a pruned model keeps its heads' size with fewer heads
     ffn_hidden_size=None,  # 4 x hidden_size
     max_position_embeddings=1024,
     embedding_dropout=0.1,
