@@ -66,6 +66,18 @@ def source_config(source: str, config: str | None, overrides: list[str]):
     if not path.exists():
         raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
                         "Hugging Face model directory.")
+    from dufu.engine.quantize_cli import is_quantized_dir
+
+    if is_quantized_dir(path):  # built shaped like its config here; its quantized weights replace the model later
+        from dufu.data import build_tokenizer
+        from dufu.models.hub import build_from_hf_config, read_hf_config
+
+        cfg = LazyConfig.load(str(resolve_config_path(config or "default")))
+        cfg.model = LazyCall(build_from_hf_config)(hf_config=read_hf_config(path))
+        cfg.tokenization.tokenizer = LazyCall(build_tokenizer)(kind="pretrained", path=str(path / "tokenizer.json"))
+        # the quantized layers compute in their own precision (int4: bf16 inside, fp32 at the edges)
+        cfg = LazyConfig.apply_overrides(cfg, _SINGLE_LAYOUT + overrides + ["train.amp.enabled=False"])
+        return cfg, None, "quantized directory"
     if (path / "config.json").is_file():
         from dufu.data import build_tokenizer
         from dufu.engine.pretrained import pretrained_model
@@ -161,6 +173,14 @@ def evaluate_source(source: str, config: str | None = None, overrides: list[str]
                 raise ConfigError(f"--eval-iter {eval_iter}: give 1 or more global batches.")
             batches = min(batches, eval_iter)
         trainer.cfg.train.evaluation.eval_iter = batches
+        if kind == "quantized directory":
+            from dufu.engine.quantize_cli import load_quantized
+
+            if trainer.world_size > 1:
+                raise ConfigError("a quantized model is evaluated in one process (its torchao tensors are not "
+                                  "split across ranks); leave out --nproc.")
+            trainer.model = load_quantized(source).to(trainer.device)
+            trainer.model_parts = [trainer.model]
         if delta:
             trainer.load_checkpoint(ckpt)
         elif ckpt is not None:  # each rank reads the chunks of its own shards (DCP), in this layout

@@ -46,6 +46,13 @@ def load_for_generation(path: str | Path, device: str = "cpu", max_memory: int |
     if not path.exists():
         raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
                         "Hugging Face model directory.")
+    from dufu.engine.quantize_cli import is_quantized_dir, load_quantized_for_generation
+
+    if is_quantized_dir(path):  # written by `dufu quantize`
+        if max_memory is not None:
+            raise DataError(f"{path} is a quantized model directory; --max-memory streams fp32/bf16 safetensors "
+                            "of a run or Hugging Face directory. Leave out one of the two.")
+        return load_quantized_for_generation(path, device)
     if (path / "config.json").is_file():
         model = from_pretrained(path) if max_memory is None else None
         tokenizer = build_tokenizer("pretrained", path=path)
