@@ -436,7 +436,12 @@ def report(results: dict) -> str:
     lines.append("")
     planner = results.get("planner") or {}
     if planner.get("available"):
-        lines += [f"Predictions made {planner.get('predicted_at', '?')} with dufu {planner.get('dufu_commit', '?')}.",
+        probe = planner.get("cpu_probe")
+        probe_text = (f" CPU figures: {probe['source']}; one-thread calibration step {probe['calibration_1_thread_s']:.4f} s, "
+                      f"{probe['op_overhead_us']} us per op, gloo {probe['gloo_bandwidth_gbs']} GB/s and "
+                      f"{probe['gloo_latency_us']} us, new memory {probe['page_fault_gbs']} GB/s." if probe else "")
+        lines += [f"Predictions made {planner.get('predicted_at', '?')} with dufu {planner.get('dufu_commit', '?')}."
+                  + probe_text,
                   ""]
     else:
         lines += [f"**No predictions**: `dufu.plan` could not be imported ({planner.get('error', 'not run')}); "
@@ -525,9 +530,24 @@ def add_predictions(results: dict) -> None:
         results["predictions"] = None
     else:
         results["planner"] = {"available": True, "dufu_commit": parallel.machine_info()["dufu_commit"],
-                              "predicted_at": _dt.datetime.now().isoformat(timespec="minutes")}
+                              "predicted_at": _dt.datetime.now().isoformat(timespec="minutes"),
+                              "cpu_probe": cpu_probe()}
         results["predictions"] = predict(results["measured"]["rows"], estimate)
     finish(results)
+
+
+def cpu_probe() -> dict:
+    """The figures of this machine's CPU the predictions used (``dufu plan``'s cached probe, see dufu.plan.cpu):
+    step-time predictions move with them, and two probes of one machine can differ (a probe taken while other
+    work runs reads slower)."""
+    from dufu.plan.cpu import measured_cpu
+
+    hw = measured_cpu()
+    return {"source": hw.source, "calibration_1_thread_s": hw.calibration.get(1),
+            "op_overhead_us": round(hw.op_overhead_s * 1e6, 2),
+            "gloo_bandwidth_gbs": round(hw.intra_node_bandwidth / 1e9, 2),
+            "gloo_latency_us": round(hw.intra_latency_s * 2e6, 1),
+            "page_fault_gbs": round(hw.page_fault_bandwidth / 1e9, 2)}
 
 
 def finish(results: dict) -> None:

@@ -345,7 +345,8 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         reduce *= share
         gather_one *= share
         dp_comm = reduce + gather_one * (gathers_fwd + gathers_bwd)
-        dp_copies = fsdp_copies(grad_bytes, dp, zero, m, gathers_fwd + gathers_bwd, pricer) * share
+        # under pipelining torch's stages keep the units unsharded for the whole step: one copy per step
+        dp_copies = fsdp_copies(grad_bytes, dp, zero, 1 if pp > 1 else m, gathers_fwd + gathers_bwd, pricer) * share
         if pp > 1:
             # torch's stages reduce after the last micro-batch; gathers overlap the forward
             hidden = hw.overlap * min(gather_one * (gathers_fwd + gathers_bwd), compute)
