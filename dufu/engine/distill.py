@@ -18,9 +18,10 @@ mesh, and under ZeRO its parameters sharded over the data-parallel ranks and gat
 in eval mode under ``torch.no_grad`` in the student's precision, and is never saved: checkpoints hold the student.
 Teacher and student must share the vocabulary (the same tokenizer).
 
-Under pipeline parallelism the teacher's logits of a micro-batch would have to reach the student's last stage
-inside torch's schedule, whose loss function sees only the output and the target; that is not built yet, and
-a pipeline layout is refused with that reason.
+Under pipeline parallelism the teacher is cut into as many stages as the student has pipeline ranks (one per
+rank, its own layers split evenly) and runs its own forward-only schedule over the step's micro-batches first; its
+last stage's logits travel to the student's last stage (the same rank) inside the target the schedule splits into
+micro-batches, so each micro-batch's loss gets the teacher's logits of exactly its samples.
 """
 
 from __future__ import annotations
@@ -86,14 +87,6 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, 
     return (kl * mask).sum() / mask.sum().clamp(min=1.0) * temperature**2
 
 
-def check_distillation(spec: Distillation, pipeline: bool) -> None:
-    """The start-up check (``dufu train --nproc`` runs it once, before any worker): see the module docstring."""
-    if pipeline:
-        raise ConfigError("distillation under pipeline parallelism is not supported yet: the teacher's logits "
-                          "of each micro-batch would have to reach the last stage's loss inside torch's "
-                          "schedule. Use data, tensor and ZeRO parallelism (pipeline_parallel_size=1).")
-
-
 class Teacher:
     """The teacher's model, split like the student's, and the distillation loss of a micro-batch."""
 
@@ -103,7 +96,6 @@ class Teacher:
         from dufu.engine.pretrained import pretrained_model
         from dufu.parallel.build import build_model_parts
 
-        check_distillation(spec, pipeline=trainer.schedule is not None)
         self.spec = spec
         t, zero = trainer.cfg.train, trainer.cfg.train.zero_optimization
         with torch.device("meta"):
@@ -115,15 +107,23 @@ class Teacher:
                               "token by token, so both need the same tokenizer and model.vocab_size.")
         model.requires_grad_(False)
         weights = pretrained_weights(model, None)
+        stage_ids = None
+        if trainer.schedule is not None:  # one teacher stage per pipeline rank, run by a forward-only schedule
+            from dufu.parallel.pipeline import layer_stage_ids
+
+            stage_ids = layer_stage_ids(model.num_layers, trainer.dims.pipeline_parallel_size)
         parts = build_model_parts(
-            model, trainer.mesh, trainer.device, stage_ids=None, meta_init=True, seed=t.seed,
+            model, trainer.mesh, trainer.device, stage_ids=stage_ids, meta_init=True, seed=t.seed,
+            pipeline_schedule="1f1b", num_microbatches=trainer.num_accumulation_steps,
             pretrained=weights.source, init_parameters=False,
             tensor_parallel=trainer.dims.tp_enabled, sequence_parallel=bool(t.dist.get("sequence_parallel")),
             data_parallel=bool(zero.enabled) and trainer.dims.dp_enabled,
             zero_stage=3 if zero.enabled else None, activation_checkpoint=None, compile=False)
         if weights.checkpoint is not None:
             Checkpointer(weights.checkpoint.parent, rank=trainer.rank).load_model(weights.checkpoint, parts.modules)
-        self.model = parts.modules[0].eval()
+        for part in parts.modules:
+            part.eval()
+        self.model, self.schedule, self.last = parts.modules[0], parts.schedule, parts.last
         self.num_parameters = sum(p.numel() for p in model.parameters())
         self.name = type(model).__name__
 
@@ -132,7 +132,9 @@ class Teacher:
         inputs, target = _targets(inputs)
         with torch.no_grad():
             teacher = _logits(self.model(**inputs))
-        logits = _logits(student(**inputs))
+        return self._combine(_logits(student(**inputs)), teacher, target)
+
+    def _combine(self, logits: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         w = self.spec.kd_weight
         hard = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100)
         if isinstance(hard, DTensor):  # the vocabulary-parallel loss: a replicated scalar
@@ -140,6 +142,23 @@ class Teacher:
         if w == 0:
             return hard
         return (1 - w) * hard + w * kd_loss(logits, teacher, target, self.spec.temperature)
+
+    @torch.no_grad()
+    def run_pipeline(self, args: tuple, kwargs: dict, target: torch.Tensor) -> torch.Tensor:
+        """Under pipelining, before the student's schedule: the teacher's schedule over the step's micro-batches.
+        On the last stage the returned target carries the teacher's logits beside the labels, (B, T, V + 1) (labels
+        as floats: exact below 2^24), so torch's schedule hands every micro-batch's loss its own slice of both (also
+        in the loss it runs once on the first micro-batch to infer shapes); other stages keep the target."""
+        logits = self.schedule.eval(*args, **kwargs)
+        if not self.last:
+            return target
+        logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
+        return torch.cat([logits.float(), target.unsqueeze(-1).float()], dim=-1)  # (B, T, V + 1)
+
+    def stage_loss(self, output, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the student's last-stage loss of a micro-batch, its labels) from a target made by :meth:`run_pipeline`."""
+        teacher, labels = target[..., :-1], target[..., -1].long()  # (B, T, V), (B, T)
+        return self._combine(_logits(output), teacher, labels), labels
 
     def describe(self) -> str:
         s = self.spec

@@ -82,9 +82,7 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
             "Classification class), or pipeline_parallel_size=1."
         )
     if cfg.get("distill") is not None:
-        from dufu.engine.distill import check_distillation
-
-        check_distillation(instantiate(cfg.distill), pipeline=stage_ids is not None)
+        instantiate(cfg.distill)  # the teacher exists, the weights make sense (dufu.engine.distill)
     scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
     # A delta run's checkpoints hold only the delta: its base is read from its source on every start.
     base_from = None if getattr(model, "delta_info", None) is not None else resume_from

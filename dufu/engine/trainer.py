@@ -166,9 +166,10 @@ class Trainer:
     # ------------------------------------------------------------ the loss over the global batch
     def _pipeline_loss(self, output, target):
         # The schedule divides each micro-batch's loss by their number; this weight makes the sum the mean
-        # over the global batch's targets (see target_weight).
-        weight = self.target_weight({"labels": target}) * self.num_accumulation_steps
-        loss = self.stage_loss_fn(output, target) * weight
+        # over the global batch's targets (see target_weight). Distillation: the target carries the teacher's logits.
+        loss, target = self.teacher.stage_loss(output, target) if self.teacher else (self.stage_loss_fn(output, target),
+                                                                                      target)
+        loss = loss * self.target_weight({"labels": target}) * self.num_accumulation_steps
         # The schedule runs backward itself, so fp16 loss scaling happens here (undone for logging).
         return loss * self.scaler.scale if self.scaler is not None else loss
 
@@ -232,6 +233,8 @@ class Trainer:
             args, kwargs, target = self.pipeline_io(inputs)
             losses = []
             with self.autocast():
+                if self.teacher:  # its logits of these micro-batches first, carried by the target (engine.distill)
+                    target = self.teacher.run_pipeline(args, kwargs, target)
                 self.schedule.step(*args, target=target, losses=losses, **kwargs)
             return self.unscaled_mean(losses) if self.parts.last else torch.zeros((), device=self.device)
         batches = [self.batch(self.train_ds, indices) for indices in micro_batches]
