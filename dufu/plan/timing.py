@@ -320,6 +320,12 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
     # point-to-point: asynchronous sends overlap the steady state's computation (on GPUs); the pipeline's fill
     # and drain wait for them (already in the bubble's slots)
     p2p = m * w["p2p"] * (1.0 - hw.overlap)
+    if bubble and share > 1:
+        # More processes than cores: a stage idling in the bubble gives its core to another rank, so the bubble
+        # costs only what the critical path adds beyond all ranks' work shared out over the cores (every time
+        # above already counts the sharing): max(slots at full speed, busy time shared) - busy time.
+        busy = compute + tp_time + p2p
+        bubble = max(0.0, (busy + bubble) / share - busy)
     # data parallelism, per step, on the worst-memory rank's parameters (the largest stage)
     dp_comm = dp_exposed = dp_copies = 0.0
     if dp > 1:
