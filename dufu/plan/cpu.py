@@ -14,7 +14,7 @@ from dufu.plan.hardware import GB, Hardware
 # projections meet (few tokens per micro-batch; a head's width).
 _PROBE_SHAPES = ((1024, 1024, 1024), (256, 1024, 1024), (64, 1024, 1024), (1024, 1024, 64), (128, 128, 128))
 _CACHE_FILE = "plan_hardware.json"
-_PROBE_VERSION = 10
+_PROBE_VERSION = 11
 # The model whose measured training step calibrates a CPU (a 2-layer GPT 512 wide, 4 x 64 tokens per step).
 CALIBRATION_MODEL = dict(vocab_size=2048, hidden_size=512, num_layers=2, num_attention_heads=8,
                          max_position_embeddings=64, embedding_dropout=0.0, hidden_dropout=0.0,
@@ -69,7 +69,7 @@ def measured_cpu(remeasure: bool = False) -> Hardware:
 # Figures where more is better; every other timing figure is better smaller. A measurement taken while other work
 # shares the cores only reads worse, so a new probe keeps the better of each figure.
 _RATES = ("elementwise_bandwidth", "transcendental_bandwidth", "attention_efficiency", "optimizer_bandwidth",
-          "stream_bandwidth", "gloo_bandwidth", "page_fault_bandwidth")
+          "stream_bandwidth", "gloo_bandwidth", "page_fault_bandwidth", "gloo_all_gather_bandwidth")
 _TIMES = ("op_overhead_s", "gloo_latency_s")
 
 
@@ -109,6 +109,7 @@ def cpu_from_probe(probe: dict) -> Hardware:
         reserved_bytes=0.0, synchronous=True, cores=cores, thread_flops=flops, measured=True,
         calibration={int(t): v for t, v in probe.get("calibration", {}).items()},
         page_fault_bandwidth=probe.get("page_fault_bandwidth", 0.0),
+        all_gather_bandwidth=probe.get("gloo_all_gather_bandwidth", 0.0),
         source=f"measured on this machine ({probe['date']}): matmul, elementwise ops, attention, AdamW, op dispatch, "
                "gloo all-reduce",
     )
@@ -195,9 +196,9 @@ def probe_cpu() -> dict:
             record["gemm"][threads_before] = {**peak, "fp16": peak["bf16"]}
     finally:
         torch.set_num_threads(threads_before)
-    latency, bandwidth, fresh = _gloo_probe()
+    latency, bandwidth, fresh, all_gather = _gloo_probe()
     record["gloo_latency_s"], record["gloo_bandwidth"] = latency, bandwidth
-    record["page_fault_bandwidth"] = fresh
+    record["page_fault_bandwidth"], record["gloo_all_gather_bandwidth"] = fresh, all_gather
     return record
 
 
@@ -320,6 +321,18 @@ for n in (1 << 12, 1 << 19, 1 << 22):
         pg.allreduce([x]).wait()
         total += time.perf_counter() - t0
     out[n] = total / 20
+# an all-gather the size of an FSDP unit (each rank sends half), as ZeRO gathers parameters
+for n in (1 << 12, 1 << 24):
+    dst, src = torch.empty(n // 4), torch.ones(n // 8)
+    pg._allgather_base(dst, src).wait()
+    total = 0.0
+    for _ in range(5):
+        for _ in range(20):
+            a @ a
+        t0 = time.perf_counter()
+        pg._allgather_base(dst, src).wait()
+        total += time.perf_counter() - t0
+    out[f"ag{n}"] = total / 5
 print(json.dumps(out))
 """
 
@@ -355,13 +368,20 @@ def _gloo_probe() -> tuple:
             p.kill()
             results.append(None)
     if None in results:
-        return 2e-3, 0.5 * GB, 0.0  # a conservative loopback figure when gloo cannot be probed
+        return 2e-3, 0.5 * GB, 0.0, 0.0  # a conservative loopback figure when gloo cannot be probed
     fresh = min(r.pop("fresh") for r in results)
+    ag = {int(k[2:]): max(results[0].pop(k), results[1].pop(k)) for k in list(results[0]) if k.startswith("ag")}
+    for r in results[1:]:
+        for k in [k for k in r if k.startswith("ag")]:
+            r.pop(k)
+    lo, hi = min(ag), max(ag)
+    # two ranks: each sends half the output once, bus bytes = (n - 1) / n x size
+    all_gather = 0.5 * (hi - lo) / max(ag[hi] - ag[lo], 1e-9)
     t = {int(n): max(results[0][n], results[1][n]) for n in results[0]}
     small, large = min(t), max(t)
     latency = t[small]
     # A two-rank ring all-reduce sends each byte once each way: time = latency + bytes / bandwidth.
     bandwidth = (large - small) / max(t[large] - latency, 1e-9)
-    return latency, bandwidth, fresh
+    return latency, bandwidth, fresh, all_gather
 
 

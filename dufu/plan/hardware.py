@@ -106,6 +106,9 @@ class Hardware:
     # CPU: bytes/s of memory fresh from the system (page faults); paid by every allocation of at least
     # $MALLOC_MMAP_THRESHOLD_ bytes when that is set in the planning process, as for the runs it predicts
     page_fault_bandwidth: float = 0.0
+    # CPU (gloo): bus bytes/s of an all-gather of unit-sized buffers, measured apart from the all-reduce's: gloo's
+    # all-gather of tens of MB runs at a third of its all-reduce's rate (0: the link bandwidth)
+    all_gather_bandwidth: float = 0.0
     source: str = ""
     measured: bool = False
 

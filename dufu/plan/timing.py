@@ -341,7 +341,8 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         gloo = hw.synchronous
         reduce_kind = "all_reduce" if (not zero or gloo) else "reduce_scatter"
         reduce = collective(reduce_kind, grad_bytes, dp, bw, 0.0) + units * 2 * (dp - 1) * lat
-        gather_one = collective("all_gather", grad_bytes, dp, bw, 0.0) + units * (dp - 1) * lat if zero else 0.0
+        gather_bw = min(bw, hw.all_gather_bandwidth) if hw.all_gather_bandwidth else bw  # gloo: measured apart
+        gather_one = collective("all_gather", grad_bytes, dp, gather_bw, 0.0) + units * (dp - 1) * lat if zero else 0.0
         if zero and pp > 1:
             gathers_fwd, gathers_bwd = 1, (m if zero >= 3 else 0)
         elif zero:

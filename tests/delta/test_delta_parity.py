@@ -59,7 +59,7 @@ def references(tmp_path_factory):
 # (parameters gathered per unit with frozen ones beside them) and under pipelining (virtual tokens and prefixes
 # on their stage). The full grid ran 30 jobs for the same coverage of code paths.
 GRID = [("lora", layout) for layout in LAYOUTS] + [
-    ("dora", "tp2"), ("dora", "dp2-zero3"), ("bitfit", "tp2"), ("bitfit", "pp2"), ("adapter", "tp2-sp"),
+    ("dora", "tp2"), ("dora", "dp2-zero3"), ("bitfit", "tp2"), ("adapter", "tp2-sp"),
     ("adapter", "dp2-zero3"), ("prefix", "tp2"), ("prefix", "pp2"), ("prompt", "tp2-sp"), ("prompt", "pp2")]
 
 
