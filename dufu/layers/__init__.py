@@ -4,6 +4,7 @@ from dufu.layers.attention import Attention, CausalSelfAttention, KVCache, paddi
 from dufu.layers.embedding import HeadwiseEmbedding, PositionEmbedding, TokenTypeEmbedding, VocabEmbedding
 from dufu.layers.linear import PARALLEL_STYLES, Linear
 from dufu.layers.mlp import MLP, GatedMLP
+from dufu.layers.moe import MoE
 from dufu.layers.norm import LayerNorm, RMSNorm
 from dufu.layers.rotary import RotaryEmbedding, apply_rotary
 from dufu.layers.transformer_layer import TransformerLayer
@@ -11,6 +12,7 @@ from dufu.layers.transformer_layer import TransformerLayer
 __all__ = [
     "Attention",
     "GatedMLP",
+    "MoE",
     "HeadwiseEmbedding",
     "KVCache",
     "RotaryEmbedding",
