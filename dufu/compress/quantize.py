@@ -49,6 +49,7 @@ from torch import nn
 
 from dufu.errors import DufuError
 from dufu.layers import VocabEmbedding
+from dufu.models.base import tied_names
 
 SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight")
 INT4_GROUP_SIZES = (32, 64, 128)  # what the CPU int4 kernel accepts
@@ -156,17 +157,6 @@ def model_bytes(model: nn.Module) -> int:
     return sum(tensor_bytes(t) for t in unique_tensors(model).values())
 
 
-def _tied_names(model: nn.Module) -> dict[str, str]:
-    """Each parameter name that holds the same tensor as an earlier one -> that earlier name."""
-    first, out = {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            out[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return out
-
-
 def check_quantizable(model: nn.Module, scheme: str) -> None:
     """The errors :func:`quantize_model` raises before touching the model."""
     if scheme not in SCHEMES:
@@ -205,7 +195,7 @@ def plan(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> tup
     """``(linears, vocab, kept)``: module names that take the scheme, those that take int8 per row (the token
     embedding and the vocabulary head, a tied head not listed: it is the embedding's tensor), and the
     linear / embedding modules kept in full precision with the reason."""
-    tied = _tied_names(model)
+    tied = tied_names(model)
     linears, vocab, kept = [], [], {}
     for name, module in model.named_modules():
         top = name.split(".", 1)[0]
@@ -247,7 +237,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
 
     check_quantizable(model, scheme)
     linears, vocab, kept = plan(model, scheme, group_size)
-    tied = _tied_names(model)
+    tied = tied_names(model)
     modules = dict(model.named_modules())
     before = model_bytes(model)
     linear_before = sum(tensor_bytes(modules[n].weight) for n in linears)

@@ -67,3 +67,14 @@ class InitByModule:
         self.tie_weights()
         for name, module in self.named_modules():
             self.init_module(name, module)
+
+
+def tied_names(model: nn.Module) -> dict[str, str]:
+    """Each parameter name that holds the same tensor as an earlier one (a tied head) -> that earlier name."""
+    first, tied = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dufu.errors import ConfigError
+from dufu.models.base import tied_names
 from dufu.models.hub import StoredTensor
 from dufu.models.outputs import ModelOutput
 
@@ -144,17 +145,6 @@ def _converted_by_transformers(module: nn.Module, path) -> dict:
     return {f"hf.{k}": v for k, v in loaded.state_dict().items() if f"hf.{k}" not in missing}
 
 
-def _tied_names(model: nn.Module) -> dict[str, str]:
-    """Each parameter name that is another's tensor (a tied head) -> the first name of that tensor."""
-    first, tied = {}, {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        if id(p) in first:
-            tied[name] = first[id(p)]
-        else:
-            first[id(p)] = name
-    return tied
-
-
 class HFAutoModel(nn.Module):
     """A transformers model behind dufu's model contract (``forward(**batch).loss``, sizes as attributes).
 
@@ -194,7 +184,7 @@ class HFAutoModel(nn.Module):
         dtype_kw = {"dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype": torch.float32}
         self.hf = factory.from_config(hf_config, attn_implementation=attn_implementation, **dtype_kw)
         self.pretrained_path = str(path) if path is not None and load_weights else None
-        self.tied_parameter_names = _tied_names(self)
+        self.tied_parameter_names = tied_names(self)
         text = hf_config.get_text_config() if hasattr(hf_config, "get_text_config") else hf_config
         self.model_type = hf_config.model_type
         self.vocab_size = getattr(text, "vocab_size", None)
