@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from dufu.errors import ConfigError
+from dufu.layers.loss import cross_entropy_loss
 
 
 @dataclass
@@ -87,8 +88,23 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, 
     return (kl * mask).sum() / mask.sum().clamp(min=1.0) * temperature**2
 
 
+def check_teacher(spec: Distillation, student) -> None:
+    """The start-up check (:func:`dufu.engine.preflight.plan_run`, before any process group or worker): the
+    teacher's vocabulary is the student's (``student``: the meta model)."""
+    from dufu.engine.pretrained import pretrained_model
+
+    with torch.device("meta"):
+        teacher = pretrained_model(spec.teacher)
+    theirs, ours = getattr(teacher, "vocab_size", None), getattr(student, "vocab_size", None)
+    if theirs != ours:
+        raise ConfigError(f"the teacher {spec.teacher} has a vocabulary of {theirs} tokens, the student {ours}: "
+                          "distillation compares their distributions token by token, so both need the same "
+                          "tokenizer and model.vocab_size.")
+
+
 class Teacher:
-    """The teacher's model, split like the student's, and the distillation loss of a micro-batch."""
+    """The teacher's model, split like the student's, and the distillation loss of a micro-batch (its vocabulary
+    was checked at start-up: :func:`check_teacher`)."""
 
     def __init__(self, spec: Distillation, trainer):
         from dufu.engine.checkpoint import Checkpointer
@@ -100,11 +116,6 @@ class Teacher:
         t, zero = trainer.cfg.train, trainer.cfg.train.zero_optimization
         with torch.device("meta"):
             model = pretrained_model(spec.teacher)
-        student_vocab = getattr(trainer.model, "vocab_size", None)
-        if getattr(model, "vocab_size", None) != student_vocab:
-            raise ConfigError(f"the teacher {spec.teacher} has a vocabulary of {getattr(model, 'vocab_size', None)} "
-                              f"tokens, the student {student_vocab}: distillation compares their distributions "
-                              "token by token, so both need the same tokenizer and model.vocab_size.")
         model.requires_grad_(False)
         weights = pretrained_weights(model, None)
         stage_ids = None
@@ -136,7 +147,7 @@ class Teacher:
 
     def _combine(self, logits: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         w = self.spec.kd_weight
-        hard = F.cross_entropy(logits.flatten(0, -2).float(), target.flatten(), ignore_index=-100)
+        hard = cross_entropy_loss(logits, target)  # the models' own loss
         if isinstance(hard, DTensor):  # the vocabulary-parallel loss: a replicated scalar
             hard = hard.full_tensor()
         if w == 0:

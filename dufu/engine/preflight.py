@@ -81,8 +81,10 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
             "its output and the labels. Use a model with a task head (e.g. a *ForMaskedLM or *ForSequence"
             "Classification class), or pipeline_parallel_size=1."
         )
-    if cfg.get("distill") is not None:
-        instantiate(cfg.distill)  # the teacher exists, the weights make sense (dufu.engine.distill)
+    if cfg.get("distill") is not None:  # the teacher exists, the weights make sense, the vocabularies agree
+        from dufu.engine.distill import check_teacher
+
+        check_teacher(instantiate(cfg.distill), model)
     scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
     # A delta run's checkpoints hold only the delta: its base is read from its source on every start.
     base_from = None if getattr(model, "delta_info", None) is not None else resume_from

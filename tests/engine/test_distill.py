@@ -76,3 +76,12 @@ def test_distillation_in_two_processes_equals_one(debug_run, tmp_path, layout):
                                "train.log_period=1", "train.global_batch_size=8", *layout)
     launch.assert_ok(launch.run(cmd, output_dir=out, timeout=300))
     assert train_losses(out) == pytest.approx(one.losses, abs=1e-5)
+
+
+def test_a_teacher_with_another_vocabulary_is_refused_at_start_up(debug_run, tmp_path):
+    from dufu.engine.preflight import plan_run
+
+    cfg = load_config(STUDENT, [f"distill.teacher={debug_run.output_dir}", "model.vocab_size=512",
+                                f"train.output_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match="vocabulary of 384 tokens, the student 512"):
+        plan_run(cfg, world_size=1)
