@@ -60,11 +60,16 @@ def parse_config_args(parser, argv: list[str], command: str):
     if config is not None and "=" in config and not os.path.exists(config):
         overrides.insert(0, config)
         config = None
+    refuse_unknown_flags(overrides, command)
+    return args, config, overrides
+
+
+def refuse_unknown_flags(overrides: list[str], command: str) -> None:
+    """argparse leaves flags it does not know among the key=value overrides: name them."""
     unknown_flags = [o for o in overrides if o.startswith("-")]
     if unknown_flags:
         raise DufuError(f"unknown option(s) {' '.join(unknown_flags)} for `dufu {command}`; see "
                         f"`dufu {command} --help`.")
-    return args, config, overrides
 
 
 def cmd_train(argv: list[str]) -> int:
@@ -284,18 +289,15 @@ def cmd_eval(argv: list[str]) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     overrides = list(args.overrides) + extra
-    unknown_flags = [o for o in overrides if o.startswith("-")]
-    if unknown_flags:
-        raise DufuError(f"unknown option(s) {' '.join(unknown_flags)} for `dufu eval`; see `dufu eval --help`.")
+    refuse_unknown_flags(overrides, "eval")
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
-        from dufu.parallel.launch import torchrun_command
-
+        from dufu.engine.delta_run import is_delta_checkpoint
         from dufu.engine.eval_cli import prepare
         from dufu.engine.preflight import preflight
+        from dufu.parallel.launch import torchrun_command
 
         if args.nproc < 1:
             raise DufuError(f"--nproc {args.nproc}: give 1 or more processes.")
-        from dufu.engine.delta_run import is_delta_checkpoint
 
         cfg, ckpt, _, _ = prepare(args.source, args.config, overrides, args.nproc)
         preflight(cfg, world_size=args.nproc,  # one clear error, before any worker starts

@@ -68,28 +68,24 @@ def source_config(source: str, config: str | None, overrides: list[str]):
                         "Hugging Face model directory.")
     from dufu.engine.quantize_cli import is_quantized_dir
 
-    if is_quantized_dir(path):  # built shaped like its config here; its quantized weights replace the model later
-        from dufu.data import build_tokenizer
-        from dufu.models.hub import build_from_hf_config, read_hf_config
-
-        cfg = LazyConfig.load(str(resolve_config_path(config or "default")))
-        cfg.model = LazyCall(build_from_hf_config)(hf_config=read_hf_config(path))
-        cfg.tokenization.tokenizer = LazyCall(build_tokenizer)(kind="pretrained", path=str(path / "tokenizer.json"))
-        # the quantized layers compute in their own precision (int4: bf16 inside, fp32 at the edges)
-        cfg = LazyConfig.apply_overrides(cfg, _SINGLE_LAYOUT + overrides + ["train.amp.enabled=False"])
-        return cfg, None, "quantized directory"
-    if (path / "config.json").is_file():
+    quantized = is_quantized_dir(path)
+    if quantized or (path / "config.json").is_file():
         from dufu.data import build_tokenizer
         from dufu.engine.pretrained import pretrained_model
+        from dufu.models.hub import build_from_hf_config, read_hf_config
 
-        cfg = LazyConfig.load(str(resolve_config_path(config or "default")))
         if not (path / "tokenizer.json").is_file():
             raise DataError(f"{path} has no tokenizer.json, so its data cannot be tokenized as the model was "
                             "trained; add the tokenizer the model was trained with to the directory.")
-        cfg.model = LazyCall(pretrained_model)(path=str(path))
+        cfg = LazyConfig.load(str(resolve_config_path(config or "default")))
+        # a quantized model is built shaped like its config here; its quantized weights replace it later
+        cfg.model = (LazyCall(build_from_hf_config)(hf_config=read_hf_config(path)) if quantized
+                     else LazyCall(pretrained_model)(path=str(path)))
         cfg.tokenization.tokenizer = LazyCall(build_tokenizer)(kind="pretrained", path=str(path / "tokenizer.json"))
-        cfg = LazyConfig.apply_overrides(cfg, _SINGLE_LAYOUT + overrides)
-        return cfg, None, "Hugging Face directory"
+        # the quantized layers compute in their own precision (int4: bf16 inside, fp32 at the edges)
+        fixed = ["train.amp.enabled=False"] if quantized else []
+        cfg = LazyConfig.apply_overrides(cfg, _SINGLE_LAYOUT + overrides + fixed)
+        return cfg, None, "quantized directory" if quantized else "Hugging Face directory"
     if config is not None:
         raise ConfigError(f"--config applies to a Hugging Face directory; {path} is a dufu run, which is evaluated "
                           "with its own config.yaml (change its keys with key=value overrides).")
@@ -132,6 +128,9 @@ def fit_micro_batch(cfg, overrides: list[str], world_size: int) -> list[str]:
 def prepare(source: str, config: str | None, overrides: list[str], world_size: int):
     """(config, checkpoint or None, kind, notes) for evaluating ``source`` with ``world_size`` processes."""
     cfg, ckpt, kind = source_config(source, config, list(overrides))
+    if kind == "quantized directory" and world_size > 1:
+        raise ConfigError("a quantized model is evaluated in one process (its torchao tensors are not split "
+                          "across ranks); leave out --nproc.")
     notes = fit_micro_batch(cfg, list(overrides), world_size)
     cfg.train.evaluation.enabled = True
     # never the run's own directory (its checks would refuse a directory holding a run; evaluation writes nothing)
@@ -176,9 +175,6 @@ def evaluate_source(source: str, config: str | None = None, overrides: list[str]
         if kind == "quantized directory":
             from dufu.engine.quantize_cli import load_quantized
 
-            if trainer.world_size > 1:
-                raise ConfigError("a quantized model is evaluated in one process (its torchao tensors are not "
-                                  "split across ranks); leave out --nproc.")
             trainer.model = load_quantized(source).to(trainer.device)
             trainer.model_parts = [trainer.model]
         if delta:
