@@ -64,6 +64,10 @@ class Pricer:
         self.info, self.trace, self.layout, self.hw = info, trace, layout, hw
         self.compiled = compiled
         self.page_faults = True
+        # MALLOC_MMAP_THRESHOLD_ of the planning process (as for the runs it predicts), where the device has a
+        # figure for new memory; None: allocations reuse freed memory
+        threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
+        self.mmap_threshold = int(threshold) if threshold.isdigit() and hw.page_fault_bandwidth else None
         self.tp = layout.tensor_parallel_size
         self.b = layout.micro_batch_size
         if hw.cores:
@@ -85,10 +89,9 @@ class Pricer:
         return self.hw.peak(dtype, self.threads) * self.hw.gemm_efficiency * f
 
     def _fresh_pages(self, q: int, phase: str) -> float:
-        """Seconds of page faults when glibc hands large allocations back to the system
-        (``MALLOC_MMAP_THRESHOLD_`` set): every allocation of at least that size is new memory."""
-        threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
-        if not (self.page_faults and self.hw.page_fault_bandwidth and threshold.isdigit()):
+        """Seconds of page faults of traced part ``q``'s ``phase``: with glibc handing large blocks back to the
+        system, every traced allocation of at least ``MALLOC_MMAP_THRESHOLD_`` bytes is new memory."""
+        if not self.page_faults or self.mmap_threshold is None:
             return 0.0
         from dufu.plan.memory import _events_by_part, _storage_bytes
 
@@ -96,16 +99,13 @@ class Pricer:
         for sign, sid in _events_by_part(self.trace).get((q, phase), ()):
             if sign > 0:
                 n = _storage_bytes(self.trace, sid, self.layout)
-                fresh += n if n >= int(threshold) else 0.0
-        return fresh / self.hw.page_fault_bandwidth
+                fresh += n if n >= self.mmap_threshold else 0.0
+        return self.fresh(fresh)
 
     def fresh(self, nbytes: float) -> float:
         """Seconds of page faults of ``nbytes`` allocated in blocks above ``MALLOC_MMAP_THRESHOLD_`` (0 without it,
         or on a device without page-fault figures)."""
-        threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_", "")
-        if not (self.hw.page_fault_bandwidth and threshold.isdigit()):
-            return 0.0
-        return nbytes / self.hw.page_fault_bandwidth
+        return 0.0 if self.mmap_threshold is None else nbytes / self.hw.page_fault_bandwidth
 
     def part(self, q: int, phase: str) -> tuple[float, float]:
         """(compute seconds, FLOPs) of traced part ``q``'s ``phase`` for one micro-batch."""
