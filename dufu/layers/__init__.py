@@ -4,7 +4,7 @@ from dufu.layers.attention import Attention, CausalSelfAttention, KVCache, paddi
 from dufu.layers.embedding import HeadwiseEmbedding, PositionEmbedding, TokenTypeEmbedding, VocabEmbedding
 from dufu.layers.linear import PARALLEL_STYLES, Linear
 from dufu.layers.mlp import MLP, GatedMLP
-from dufu.layers.moe import MoE
+from dufu.layers.moe import GroupedExperts, MoE
 from dufu.layers.norm import LayerNorm, RMSNorm
 from dufu.layers.rotary import RotaryEmbedding, apply_rotary
 from dufu.layers.transformer_layer import TransformerLayer
@@ -13,6 +13,7 @@ __all__ = [
     "Attention",
     "GatedMLP",
     "MoE",
+    "GroupedExperts",
     "HeadwiseEmbedding",
     "KVCache",
     "RotaryEmbedding",

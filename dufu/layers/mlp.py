@@ -43,19 +43,21 @@ class MLP(nn.Module):
 
 class GatedMLP(nn.Module):
     """Gated feed-forward (Shazeer 2020, "GLU Variants"): ``down(act(gate(x)) * up(x))``; SwiGLU with silu
-    (LLaMA, Qwen2). gate/up are column-parallel, down row-parallel."""
+    (LLaMA, Qwen2). gate/up are column-parallel, down row-parallel; ``tensor_parallel=False`` keeps all three
+    replicated (the shared expert inside a replicated MoE layer)."""
 
     tensor_parallel_input = "replicate"
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "silu", bias: bool = False,
-                 dropout: float = 0.0):
+                 dropout: float = 0.0, tensor_parallel: bool = True):
         super().__init__()
         if activation not in _ACTIVATIONS:
             raise ValueError(f"GatedMLP(activation={activation!r}): expected one of {sorted(_ACTIVATIONS)}")
         self.activation = activation
-        self.gate_proj = Linear(hidden_size, ffn_hidden_size, bias=bias, parallel="col")
-        self.up_proj = Linear(hidden_size, ffn_hidden_size, bias=bias, parallel="col")
-        self.down_proj = Linear(ffn_hidden_size, hidden_size, bias=bias, parallel="row")
+        col, row = ("col", "row") if tensor_parallel else ("data", "data")
+        self.gate_proj = Linear(hidden_size, ffn_hidden_size, bias=bias, parallel=col)
+        self.up_proj = Linear(hidden_size, ffn_hidden_size, bias=bias, parallel=col)
+        self.down_proj = Linear(ffn_hidden_size, hidden_size, bias=bias, parallel=row)
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dufu.layers.moe import GroupedExperts
+
 
 class InitByModule:
     """Mixin for ``nn.Module`` models: ``init_weights`` from a per-module rule (see the module docstring)."""
@@ -56,6 +58,8 @@ class InitByModule:
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=std)
+        elif isinstance(module, GroupedExperts):
+            module.reset_parameters(std)
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             if module.weight is not None:
                 nn.init.ones_(module.weight)

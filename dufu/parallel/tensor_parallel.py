@@ -42,6 +42,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     PrepareModuleOutput,
     RowwiseParallel,
     SequenceParallel,
@@ -60,8 +61,16 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
     seq = Shard(1) if sequence_parallel else Replicate()
     plan = {}
     lora_names: list[str] = []
+    replicated: list[str] = []
     for name, module in model.named_modules():
-        if not name:
+        if not name or any(name.startswith(n + ".") for n in replicated):
+            continue  # the root, or inside a replicated module
+        if getattr(module, "tensor_parallel_replicated", False):
+            replicated.append(name)
+            if sequence_parallel:
+                plan[name] = PrepareModuleInputOutput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+                    output_layouts=(Replicate(),), desired_output_layouts=(Shard(1),), use_local_output=True)
             continue
         lora = isinstance(module, LoraLinear)  # its factors follow the layer's split (dufu.delta.lora)
         col, row = (LoraColwiseParallel, LoraRowwiseParallel) if lora else (ColwiseParallel, RowwiseParallel)

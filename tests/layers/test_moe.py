@@ -20,8 +20,8 @@ def _pair(top_k=2, experts=4):
         torch.nn.init.normal_(p, std=0.2)
     ours = MoE(32, 48, experts, top_k=top_k, aux_loss_coeff=1.0)
     ours.router.weight.data.copy_(ref.gate.weight)
-    ours.gate_up_proj.data.copy_(ref.experts.gate_up_proj)
-    ours.down_proj.data.copy_(ref.experts.down_proj)
+    ours.experts.gate_up_proj.data.copy_(ref.experts.gate_up_proj)
+    ours.experts.down_proj.data.copy_(ref.experts.down_proj)
     return ref, ours, load_balancing_loss_func
 
 
@@ -44,7 +44,7 @@ def test_gradients_reach_every_used_expert_and_the_router():
     (ours(x).square().sum() + ours.aux_loss).backward()
     used = ours.tokens_per_expert > 0
     assert ours.router.weight.grad.abs().sum() > 0
-    assert (ours.gate_up_proj.grad.flatten(1).abs().sum(1) > 0).eq(used).all()
+    assert (ours.experts.gate_up_proj.grad.flatten(1).abs().sum(1) > 0).eq(used).all()
 
 
 def test_capacity_drops_assignments_first_come_first_served():
