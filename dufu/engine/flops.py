@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dufu.layers.moe import MoE
+
 from dufu.data._cache import resolve_cache_dir
 
 # Dense (no sparsity) peak TFLOP/s from vendor data sheets: (bf16/fp16, fp32 non-tensor-core).
@@ -59,20 +61,27 @@ _GPU_PEAK_TFLOPS = {
 }
 
 
-def count_matmul_params(model: nn.Module) -> int:
-    """Parameters used in matrix multiplies: all but embedding tables (tied weights counted once)."""
+def count_matmul_params(model: nn.Module, active: bool = True) -> int:
+    """Parameters used in matrix multiplies: all but embedding tables (tied weights counted once). ``active``:
+    count only the parameters one token uses, so a mixture-of-experts layer's experts count top_k / E of
+    theirs (the model FLOPs per token of MoE models, as Megatron-core and torchtitan count them for MFU)."""
     seen: set[int] = set()
-    total = 0
+    total = 0.0
     embedding_params = {id(m.weight) for m in model.modules() if isinstance(m, nn.Embedding)}
     heads = {id(m.weight) for m in model.modules() if isinstance(m, nn.Linear)}
+    share = {}  # id(parameter) -> the fraction of it a token uses
+    if active:
+        for m in model.modules():
+            if isinstance(m, MoE):
+                share.update({id(p): m.top_k / m.num_experts for p in m.experts.parameters()})
     for p in model.parameters():
         if id(p) in seen:
             continue
         seen.add(id(p))
         if id(p) in embedding_params and id(p) not in heads:
             continue
-        total += p.numel()
-    return total
+        total += p.numel() * share.get(id(p), 1.0)
+    return int(round(total))
 
 
 def flops_per_token(num_matmul_params: int, num_layers: int, hidden_size: int, seq_length: int) -> float:

@@ -21,8 +21,9 @@ from dufu.engine.checkpoint import Checkpointer
 from dufu.engine.lr_scheduler import fit_warmup_to_run
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DufuError, LayoutError
-from dufu.engine.pretrained import check_pretrained, pretrained_source
+from dufu.engine.pretrained import check_pretrained, load_pretrained, pretrained_source
 from dufu.parallel.checks import validate_layout
+from dufu.parallel.materialize import materialize_, supports_meta_init
 from dufu.parallel.parallel_dims import ParallelDims
 
 
@@ -194,3 +195,17 @@ def resume_checkpoint(output_dir: Path, resume: bool | str) -> Optional[Path]:
             "--resume; to start a new run, choose another directory (train.output_dir=...) or delete this one."
         )
     return None
+
+
+def model_to_split(cfg, plan, meta_init: bool):
+    """The model the parts are cut from: the meta model, or a full one on every rank when the model has no
+    per-module initialisation (a transformers model as-is) or train.meta_init=False asks for it."""
+    model = plan.model
+    if not supports_meta_init(model):  # built in full, with the same values on every rank
+        model = build_model(cfg, plan.tokenizer, plan.seq_length)
+        if plan.pretrained.source is not None:  # its weights: a separate step after the build
+            load_pretrained(model, plan.pretrained.path)
+        return model
+    if not meta_init:  # the full model on every rank, with the values the meta path gives
+        materialize_(model, model, torch.device("cpu"), seed=cfg.train.seed, pretrained=plan.pretrained.source)
+    return model

@@ -36,8 +36,9 @@ def describe(trainer) -> str:
         extras.append(f"{t.activation_checkpoint.get('mode', 'full')} activation checkpointing")
     valid = len(trainer.valid_ds) if trainer.valid_ds is not None else 0
     return "\n".join([
-        f"dufu: {trainer.model_name} with {trainer.num_parameters / 1e6:.2f}M parameters on "
-        f"{trainer.device.type} ({amp})",
+        f"dufu: {trainer.model_name} with {trainer.num_parameters / 1e6:.2f}M parameters "
+        f"{'(' + trainer.moe.describe(trainer.num_parameters) + ') ' if getattr(trainer, 'moe', None) else ''}"
+        f"on {trainer.device.type} ({amp})",
         f"  layout       {trainer.dims.describe()}{zero}{'; ' + ', '.join(extras) if extras else ''}",
         f"  batch        global {trainer.global_batch_size} = micro {trainer.micro_batch_size} x dp "
         f"{trainer.dims.data_parallel_size} x accumulation {trainer.num_accumulation_steps}; "
@@ -170,6 +171,8 @@ class RunLog:
             }
             if tr.skipped_steps:
                 record["skipped_steps"] = tr.skipped_steps
+            if getattr(tr, "moe", None):  # a mixture-of-experts model: its load balance (dufu.engine.moe_monitor)
+                record.update(tr.moe.record(step))
             if tr.scaler is not None:
                 record["loss_scale"] = tr.scaler.scale
                 record["skipped_steps"] = tr.scaler.skipped_steps
@@ -234,6 +237,8 @@ class RunLog:
         summary.setdefault("eval_ppl_end", None)
         plot_loss_curve(tr.output_dir / "metrics.jsonl", tr.output_dir / "loss.png",
                         title=f"{tr.model_name} - {tr.dims.describe()}")
+        if getattr(tr, "moe", None):
+            tr.moe.plot(title=f"{tr.model_name} - {tr.dims.describe()}")
         tr.log(summary_text(summary, tr.output_dir))
         return summary
 

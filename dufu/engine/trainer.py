@@ -32,15 +32,15 @@ from dufu.engine.evaluation import evaluate
 from dufu.engine.generate import generate
 from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.precision import agree, choose_precision
-from dufu.engine.preflight import build_model, plan_run, with_kwargs
-from dufu.engine.pretrained import load_pretrained
+from dufu.engine.moe_monitor import MoEMonitor
+from dufu.engine.preflight import model_to_split, plan_run, with_kwargs
 from dufu.engine.distill import Teacher
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
 from dufu.parallel.compile import decide_compile
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
 from dufu.parallel.launch import init_distributed
-from dufu.parallel.materialize import materialize_, supports_meta_init
+from dufu.parallel.materialize import supports_meta_init
 from dufu.parallel.pipeline import split_pipeline_batch
 
 
@@ -68,7 +68,8 @@ class Trainer:
         if self.delta is not None:
             self.checkpointer.set_delta_only()
         self.meta_init = t.get("meta_init", True) and supports_meta_init(plan.model)
-        model = self._model_to_split(plan)
+        model = model_to_split(cfg, plan, self.meta_init)
+        self.moe = MoEMonitor(self, model)  # load-balance records and the auxiliary losses' scale (MoE models)
         self.model_name, self.main_input_name = type(model).__name__, getattr(model, "main_input_name", "input_ids")
         self.num_parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         self.flops_per_token = report.model_flops_per_token(model, self.seq_length)
@@ -76,6 +77,7 @@ class Trainer:
 
         init_distributed(self.device, timeout_minutes=t.dist.get("timeout_minutes", 10.0))
         self.mesh = self.dims.build_mesh(self.device.type) if self.world_size > 1 else None
+        self.expert_mesh = self.dims.build_expert_mesh(self.device.type) if self.dims.ep_enabled else None
         # A gloo group used only to find unresponsive ranks when a collective fails (works beside NCCL too).
         self.health_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
         self.pp_rank, self.dp_rank, self.tp_rank = self.mesh.get_coordinate() if self.mesh is not None else (0, 0, 0)
@@ -115,19 +117,6 @@ class Trainer:
         faults.install(self)  # DUFU_FAULT's test faults (a no-op without it)
 
     # ------------------------------------------------------------- building
-    def _model_to_split(self, plan):
-        """The model the parts are cut from: the meta model, or a full one on every rank when the model has no
-        per-module initialisation (a transformers model as-is) or train.meta_init=False asks for it."""
-        model = plan.model
-        if not supports_meta_init(model):  # built in full, with the same values on every rank
-            model = build_model(self.cfg, self.tokenizer, self.seq_length)
-            if self.pretrained.source is not None:  # its weights: a separate step after the build
-                load_pretrained(model, self.pretrained.path)
-            return model
-        if not self.meta_init:  # the full model on every rank, with the values the meta path gives
-            materialize_(model, model, torch.device("cpu"), seed=self.cfg.train.seed, pretrained=self.pretrained.source)
-        return model
-
     def _build_parts(self, model, stage_ids):
         t, zero = self.cfg.train, self.cfg.train.zero_optimization
         parts = build_model_parts(
@@ -143,7 +132,7 @@ class Trainer:
             data_parallel=self.dims.dp_enabled, zero_stage=zero.stage if zero.enabled else None,
             activation_checkpoint=(t.activation_checkpoint.get("mode", "full")
                                    if t.activation_checkpoint.enabled else None),
-            compile=self.compile.enabled,
+            compile=self.compile.enabled, expert_mesh=self.expert_mesh,
         )
         if self.pretrained.checkpoint is not None:  # each rank reads the chunks of its own shards (DCP)
             ckpt = self.pretrained.checkpoint
@@ -277,7 +266,9 @@ class Trainer:
         """Forward/backward over one global batch, clip, update. Returns (loss, grad_norm)."""
         for part in self.model_parts:
             part.train()
+        self.moe and self.moe.before_step()
         local_loss = self.forward_backward(micro_batches)
+        self.moe and self.moe.after_step()
         sync_tied_gradients(self.parts.tied_params, self.parts.tied_group)
         self.last_lr = self.optimizers[0].param_groups[0]["lr"]  # the rate this step is taken with
         params = [p for part in self.model_parts for p in part.parameters()]

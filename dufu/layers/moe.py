@@ -24,8 +24,8 @@
   P_i its mean router probability; Switch eq. 4, extended to top-k as transformers' Mixtral does), times
   ``aux_loss_coeff``; and the router z-loss ``mean(logsumexp(logits)^2)`` (Zoph et al. 2022, ST-MoE), times
   ``z_loss_coeff``. ``tokens_per_expert`` (E,) counts the assignments kept by the last forward (the load-balance
-  metric); :meth:`MoE.pop_stats` returns the auxiliary loss and counts summed over the forwards since the last
-  call (not counting activation checkpointing's recomputation).
+  metric); :meth:`MoE.pop_stats` returns the auxiliary loss and counts of each training forward (with
+  gradients) since the last call, not counting activation checkpointing's recomputation.
 * **Tensor parallelism**: the layer is replicated on the tensor-parallel ranks and sees the whole sequence
   (``tensor_parallel_replicated``: under sequence parallelism its input is gathered and its output cut back to
   this rank's part of the sequence), so routing, capacity and auxiliary losses are those of one device.
@@ -125,7 +125,7 @@ class MoE(nn.Module):
         self.aux_loss_grad_scale = 1.0
         self.aux_loss = torch.zeros(())
         self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.long)
-        self._stats = None  # (aux loss sum, token counts sum, forwards) since pop_stats
+        self._stats = []  # (aux loss, token counts) of each training forward since pop_stats
         if not self.router.weight.is_meta:
             nn.init.normal_(self.router.weight, std=init_std)
 
@@ -171,17 +171,15 @@ class MoE(nn.Module):
             out = out + shared
         aux = self._aux_loss(logits, experts)
         self.aux_loss, self.tokens_per_expert = aux.detach(), counts.detach()
-        if not _in_backward():
-            s = self._stats
-            self._stats = (aux.detach(), counts.detach(), 1) if s is None else (s[0] + aux.detach(),
-                                                                               s[1] + counts.detach(), s[2] + 1)
+        if torch.is_grad_enabled() and not _in_backward():  # a training forward, not a recomputation
+            self._stats.append((aux.detach(), counts.detach()))
         if aux.requires_grad:
             out = _AttachAuxLoss.apply(out, aux, self.aux_loss_grad_scale)
         return out.view(shape)
 
-    def pop_stats(self) -> Optional[tuple[torch.Tensor, torch.Tensor, int]]:
-        """(auxiliary loss summed, tokens per expert (E,) summed, number of forwards) since the last call."""
-        s, self._stats = self._stats, None
+    def pop_stats(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """[(auxiliary loss, tokens per expert (E,))] of each training forward since the last call, in order."""
+        s, self._stats = self._stats, []
         return s
 
     def _aux_loss(self, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:

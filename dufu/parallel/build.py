@@ -47,6 +47,7 @@ def build_model_parts(
     pipeline_schedule: str = "1f1b",
     num_microbatches: int = 1,
     loss_fn: Optional[Callable] = None,
+    expert_mesh=None,
     **parallel_kwargs,
 ) -> ModelParts:
     """Split ``model`` into this rank's pipeline stages (``stage_ids``: the stage of every layer, None to keep it
@@ -68,10 +69,12 @@ def build_model_parts(
         in_place = not meta_init and len(mine) == 1
         parts = {s: build_stage_module(model, s, num_stages, stage_ids, in_place=in_place) for s in mine}
     stage_mesh = mesh["data", "tensor"] if mesh is not None else None
+    # expert_mesh: the 4-D ("pipeline", "expert_data", "expert", "tensor") mesh under expert parallelism
+    stage_expert_mesh = expert_mesh["expert_data", "expert"] if expert_mesh is not None else None
     for part in parts.values():
         if not meta_init:
             part.to(device)
-        parallelize(part, stage_mesh, **parallel_kwargs)
+        parallelize(part, stage_mesh, expert_mesh=stage_expert_mesh, **parallel_kwargs)
         if meta_init:
             materialize_(part, model, device, seed=seed, pretrained=pretrained, init_parameters=init_parameters)
     for part in parts.values():

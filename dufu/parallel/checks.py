@@ -24,7 +24,10 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
             "model.vocab_size (padded)": getattr(model, "vocab_size", None),
         }
         ffn = kv_heads = None
-        for m in model.modules():
+        replicated = [n for n, m in model.named_modules() if getattr(m, "tensor_parallel_replicated", False)]
+        for name, m in model.named_modules():
+            if any(name.startswith(r + ".") for r in replicated):
+                continue  # replicated under tensor parallelism (a MoE layer's shared expert): nothing splits
             if ffn is None and hasattr(m, "fc1"):
                 ffn = m.fc1.out_features
             if ffn is None and hasattr(m, "gate_proj"):
@@ -53,6 +56,15 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
                     f"tensor parallelism splits {key} across ranks, but {value} / tensor_parallel_size {tp} = "
                     f"{value / tp:g} is not whole. Either {fix}, or change train.dist.tensor_parallel_size."
                 )
+    if dims.expert_parallel_size > 1:
+        from dufu.parallel.expert_parallel import check_experts_divisible, expert_modules
+
+        if not expert_modules(model):
+            raise LayoutError(
+                f"train.dist.expert_parallel_size = {dims.expert_parallel_size}, but {type(model).__name__} has no "
+                "mixture-of-experts layer to split. Set train.dist.expert_parallel_size=1, or train a MoE model "
+                "(e.g. dufu train moe_debug).")
+        check_experts_divisible(model, dims.expert_parallel_size)
     # The model's own refusal first: an image model has no sequence length to check.
     if dist_cfg.get("sequence_parallel") and getattr(model, "sequence_parallel_unsupported_reason", ""):
         raise LayoutError(

@@ -8,6 +8,10 @@ dp=2, tp=2, pp=2::
 
     pipeline stage 0: ranks 0 1 2 3     tensor groups [0,1] [2,3]
     pipeline stage 1: ranks 4 5 6 7     data groups   [0,2] [1,3]
+
+Expert parallelism (``expert_parallel_size``, ep) is carved out of the data axis, as in Megatron-core and
+torchtitan: the world stays dp x tp x pp, and the ``dp`` data-parallel ranks are ``dp / ep`` x ``ep``
+(ep inner): dp 4, ep 2 -> expert groups [0,1] [2,3] of data ranks (see :mod:`dufu.parallel.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ class ParallelDims:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     world_size: int = 1
+    expert_parallel_size: int = 1
 
     def __post_init__(self):
         self._resolve()
@@ -35,6 +40,7 @@ class ParallelDims:
             tensor_parallel_size=dist_cfg.get("tensor_parallel_size", 1),
             pipeline_parallel_size=dist_cfg.get("pipeline_parallel_size", 1),
             world_size=world_size,
+            expert_parallel_size=dist_cfg.get("expert_parallel_size", 1),
         )
 
     def _resolve(self) -> None:
@@ -71,6 +77,17 @@ class ParallelDims:
                 f"but WORLD_SIZE is {self.world_size}. Launch {product} processes (dufu train ... --nproc {product}), "
                 "or change train.dist.* (a size of -1 is inferred from the world size)."
             )
+        ep = self.expert_parallel_size
+        if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:
+            raise LayoutError(f"train.dist.expert_parallel_size = {ep!r} is not valid: use a positive integer "
+                              "that divides train.dist.data_parallel_size.")
+        if self.data_parallel_size % ep:
+            raise LayoutError(
+                f"train.dist.expert_parallel_size {ep} must divide train.dist.data_parallel_size "
+                f"{self.data_parallel_size} (expert parallelism is carved out of data parallelism): "
+                f"{self.data_parallel_size} / {ep} = {self.data_parallel_size / ep:g}. Use an expert-parallel size "
+                f"among {[d for d in range(1, self.data_parallel_size + 1) if self.data_parallel_size % d == 0]}, "
+                "or more data-parallel ranks.")
 
     @staticmethod
     def _arith(sizes: dict, skip: Optional[str] = None) -> str:
@@ -89,10 +106,15 @@ class ParallelDims:
     def pp_enabled(self) -> bool:
         return self.pipeline_parallel_size > 1
 
+    @property
+    def ep_enabled(self) -> bool:
+        return self.expert_parallel_size > 1
+
     def describe(self) -> str:
+        ep = f" (experts over ep {self.expert_parallel_size} within dp)" if self.ep_enabled else ""
         return (
             f"dp {self.data_parallel_size} x tp {self.tensor_parallel_size} x pp {self.pipeline_parallel_size}"
-            f" = {self.world_size} process{'es' if self.world_size > 1 else ''}"
+            f" = {self.world_size} process{'es' if self.world_size > 1 else ''}{ep}"
         )
 
     def build_mesh(self, device_type: str):
@@ -103,4 +125,17 @@ class ParallelDims:
             device_type,
             (self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size),
             mesh_dim_names=("pipeline", "data", "tensor"),
+        )
+
+    def build_expert_mesh(self, device_type: str):
+        """The 4-D mesh ("pipeline", "expert_data", "expert", "tensor") over the same ranks as :meth:`build_mesh`,
+        its data axis seen as dp / ep x ep. A mesh of its own: the experts' DTensors and their data-parallel
+        units (FSDP2 needs both on one root mesh) live on it; everything else on the 3-D mesh."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        ep = self.expert_parallel_size
+        return init_device_mesh(
+            device_type,
+            (self.pipeline_parallel_size, self.data_parallel_size // ep, ep, self.tensor_parallel_size),
+            mesh_dim_names=("pipeline", "expert_data", "expert", "tensor"),
         )

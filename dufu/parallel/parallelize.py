@@ -1,6 +1,7 @@
 """Apply parallelism and memory/speed transforms to a single-device model, in one fixed order.
 
     1. tensor (+ sequence) parallelism   - from the style each dufu layer declares
+       expert parallelism                - the experts of MoE layers over the expert axis (+ their data units)
     2. activation checkpointing          - per transformer block (dufu.parallel.activation_checkpoint)
     3. torch.compile                     - per transformer block (dufu.parallel.compile)
     4. FSDP2 / ZeRO                      - per block, then the root
@@ -27,18 +28,25 @@ def parallelize(
     zero_stage: int | None = None,
     activation_checkpoint: str | bool | None = None,
     compile: bool = False,
+    expert_mesh=None,
 ) -> nn.Module:
     """Apply, in this order: TP (+SP) on ``mesh["tensor"]``, activation checkpointing, compile, then
     data parallelism on ``mesh["data"]``: FSDP2 for ZeRO stages 1-3, ``replicate`` (DDP) without ZeRO.
 
     ``activation_checkpoint``: None/False (off), "selective" or "full" (True: "full"), see
     :mod:`dufu.parallel.activation_checkpoint`.
-    ``mesh`` is the stage's (data, tensor) DeviceMesh; it may be None on one process.
+    ``mesh`` is the stage's (data, tensor) DeviceMesh; it may be None on one process. ``expert_mesh``: the
+    stage's ("expert_data", "expert") mesh under expert parallelism (:mod:`dufu.parallel.expert_parallel`),
+    else None.
     """
     if tensor_parallel:
         from dufu.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tensor"], sequence_parallel=sequence_parallel)
+    if expert_mesh is not None:
+        from dufu.parallel.expert_parallel import apply_expert_parallel
+
+        apply_expert_parallel(model, expert_mesh["expert"])
     if activation_checkpoint:
         apply_activation_checkpointing(model, "full" if activation_checkpoint is True else activation_checkpoint)
     if compile:
@@ -46,6 +54,10 @@ def parallelize(
     if data_parallel or zero_stage:
         from dufu.parallel.data_parallel import apply_fsdp, apply_replicate
 
+        if expert_mesh is not None:  # the experts' units first, on their own axis; the blocks' leave them out
+            from dufu.parallel.expert_parallel import apply_expert_data_parallel
+
+            apply_expert_data_parallel(model, expert_mesh["expert_data"], zero_stage)
         if zero_stage:
             apply_fsdp(model, mesh["data"], zero_stage)
         else:

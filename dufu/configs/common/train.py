@@ -63,6 +63,9 @@ train = dict(
         data_parallel_size=1,
         tensor_parallel_size=1,
         pipeline_parallel_size=1,
+        # Mixture-of-experts models: their experts split over this many data-parallel ranks (it divides
+        # data_parallel_size; tokens reach their experts by all-to-all). dufu.parallel.expert_parallel
+        expert_parallel_size=1,
         sequence_parallel=False,
         pipeline_num_layers=None,
         custom_pipeline_stage_id=None,

@@ -24,7 +24,8 @@ from dufu.models.base import InitByModule
 
 
 class LlamaBlock(nn.Module):
-    """``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``; ``layer_idx`` places it on a pipeline stage."""
+    """``x + attn(attn_norm(x))`` then ``x + mlp(mlp_norm(x))``; ``layer_idx`` places it on a pipeline stage.
+    ``mlp`` replaces the SwiGLU feed-forward with another module (a mixture of experts, dufu.models.moe)."""
 
     def __init__(
         self,
@@ -43,6 +44,7 @@ class LlamaBlock(nn.Module):
         mlp_bias: bool = False,
         attention_dropout: float = 0.0,
         hidden_dropout: float = 0.0,
+        mlp: Optional[nn.Module] = None,
     ):
         super().__init__()
         self.layer_idx = layer_idx
@@ -53,7 +55,9 @@ class LlamaBlock(nn.Module):
             dropout=hidden_dropout,
         )
         self.mlp_norm = RMSNorm(hidden_size, eps=rms_norm_eps)
-        self.mlp = GatedMLP(hidden_size, ffn_hidden_size, activation="silu", bias=mlp_bias, dropout=hidden_dropout)
+        # ``mlp``: another feed-forward in its place (dufu.models.moe: a mixture of experts)
+        self.mlp = mlp if mlp is not None else GatedMLP(hidden_size, ffn_hidden_size, activation="silu", bias=mlp_bias,
+                                                        dropout=hidden_dropout)
         # A table of head_dim / 2 frequencies (a non-persistent buffer: no checkpoint key).
         self.rotary = RotaryEmbedding(head_dim, max_position_embeddings, base=rope_theta, rope_scaling=rope_scaling)
 
@@ -71,19 +75,11 @@ class LlamaBlock(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class LlamaModel(InitByModule, nn.Module):
-    """Causal decoder of the LLaMA family. Llama 2/3: no biases, untied head. Qwen2: ``qkv_bias=True``
-    (the small sizes also tie the head). ``rope_scaling``: e.g. ``{"rope_type": "llama3", "factor": 8.0,
-    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
-
-    ``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
-    building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it.
-
-    ``fused_loss``: with labels, compute the head and the cross entropy together, chunk by chunk
-    (:func:`dufu.layers.loss.fused_linear_cross_entropy`): the full (B, T, V) logits never exist, so the output
-    then has ``loss`` and ``logits=None``. Without labels, and on pipeline stages (whose last stage returns
-    logits to ``pipeline_loss``), the logits are computed as always. Off by default: it
-    saves memory but measured no faster at the default recipe's shape (benchmarks/fused_loss.py)."""
+class LlamaDecoder(InitByModule, nn.Module):
+    """The causal decoder :class:`LlamaModel` and :class:`dufu.models.moe.MoEModel` share: embedding, blocks,
+    final norm, head, initialisation and forward. A family differs only in what ``_block(i, **kwargs)``
+    builds; the families are siblings, not subclasses of one another, so a type check (the Hugging Face
+    mapping a model exports through, pruning) never mistakes one for the other."""
 
     # What pipeline parallelism needs to split this model (see dufu.parallel.pipeline).
     pipeline_layout = {"blocks": "blocks", "first": ("wte",), "last": ("norm", "lm_head")}
@@ -117,11 +113,11 @@ class LlamaModel(InitByModule, nn.Module):
         num_key_value_heads = num_key_value_heads or num_attention_heads
         if head_dim is None:
             if hidden_size % num_attention_heads != 0:
-                raise ValueError(f"LlamaModel: hidden_size {hidden_size} must be divisible by num_attention_heads "
-                                 f"{num_attention_heads} (or give head_dim)")
+                raise ValueError(f"{type(self).__name__}: hidden_size {hidden_size} must be divisible by "
+                                 f"num_attention_heads {num_attention_heads} (or give head_dim)")
             head_dim = hidden_size // num_attention_heads
         if num_attention_heads % num_key_value_heads != 0:
-            raise ValueError(f"LlamaModel: num_attention_heads {num_attention_heads} must be a multiple of "
+            raise ValueError(f"{type(self).__name__}: num_attention_heads {num_attention_heads} must be a multiple of "
                              f"num_key_value_heads {num_key_value_heads}")
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size
@@ -144,8 +140,9 @@ class LlamaModel(InitByModule, nn.Module):
         self.wte = VocabEmbedding(vocab_size, hidden_size)
         self.drop = nn.Dropout(embedding_dropout)
         self.blocks = nn.ModuleDict({
-            str(i): LlamaBlock(
-                hidden_size, num_attention_heads, num_key_value_heads, head_dim, ffn_hidden_size, layer_idx=i,
+            str(i): self._block(
+                i, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                num_key_value_heads=num_key_value_heads, head_dim=head_dim, ffn_hidden_size=ffn_hidden_size,
                 rms_norm_eps=rms_norm_eps, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
                 rope_scaling=rope_scaling, qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias,
                 attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
@@ -155,6 +152,10 @@ class LlamaModel(InitByModule, nn.Module):
         self.norm = RMSNorm(hidden_size, eps=rms_norm_eps)
         self.lm_head = Linear(hidden_size, vocab_size, bias=False, parallel="col")
         self.finish_init(pretrained)
+
+    def _block(self, i: int, **kwargs) -> nn.Module:
+        """Block ``i`` from LlamaBlock's keyword arguments (MoEModel gives some blocks a mixture of experts)."""
+        return LlamaBlock(layer_idx=i, **kwargs)
 
     # ------------------------------------------------------------------ init
     def init_module(self, name: str, module: nn.Module) -> None:
@@ -199,4 +200,19 @@ class LlamaModel(InitByModule, nn.Module):
         return ModelOutput(loss=loss, logits=logits)
 
 
-LlamaModel.pipeline_loss = staticmethod(causal_lm_loss)
+LlamaDecoder.pipeline_loss = staticmethod(causal_lm_loss)
+
+
+class LlamaModel(LlamaDecoder):
+    """Causal decoder of the LLaMA family. Llama 2/3: no biases, untied head. Qwen2: ``qkv_bias=True``
+    (the small sizes also tie the head). ``rope_scaling``: e.g. ``{"rope_type": "llama3", "factor": 8.0,
+    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
+
+    ``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
+    building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it.
+
+    ``fused_loss``: with labels, compute the head and the cross entropy together, chunk by chunk
+    (:func:`dufu.layers.loss.fused_linear_cross_entropy`): the full (B, T, V) logits never exist, so the output
+    then has ``loss`` and ``logits=None``. Without labels, and on pipeline stages (whose last stage returns
+    logits to ``pipeline_loss``), the logits are computed as always. Off by default: it
+    saves memory but measured no faster at the default recipe's shape (benchmarks/fused_loss.py)."""

@@ -1,0 +1,145 @@
+"""What a mixture-of-experts run needs from the trainer: the auxiliary losses' gradient scale, and the load
+balance people read (``moe_aux_loss`` and ``moe_max_load`` in every record, the tokens each expert received in
+``moe_tokens.jsonl``, and ``moe_tokens.png`` at the end).
+
+* **Scale**: each MoE layer's auxiliary losses get the gradient ``1 / micro-batches per rank per step`` (times
+  the fp16 loss scale), so that after the data-parallel gradient average a step's auxiliary loss is the mean over
+  all its micro-batches: the same in every layout, as the language-model loss is (:mod:`dufu.layers.moe`).
+* **Records**: after each step the monitor keeps each layer's last ``micro-batches per step`` forwards (a
+  pipeline schedule's first step also runs a forward of its own, on placeholder inputs, to infer shapes), and
+  the counters are summed over the steps of a logging window and over ranks (tensor-parallel
+  peers count once; each pipeline stage reports its own layers). ``moe_aux_loss`` is the auxiliary loss per
+  micro-batch summed over layers (what the gradient adds), ``moe_max_load`` the mean over layers of the busiest
+  expert's tokens over the mean expert's (1.0 is perfect balance; top-k over E experts with E / k tokens
+  would be the worst).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dufu.layers.moe import MoE
+from dufu.parallel.env import collective_device
+
+
+def moe_layer_names(model) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, MoE)]
+
+
+class MoEMonitor:
+    """Built from the whole (meta) model, before it is split: the names of all its MoE layers, in order."""
+
+    def __init__(self, trainer, model):
+        self.trainer = trainer
+        self.names = moe_layer_names(model)
+        self.num_experts = max((m.num_experts for m in model.modules() if isinstance(m, MoE)), default=0)
+        self.path = Path(trainer.output_dir) / "moe_tokens.jsonl"
+        self.window = {}  # layer name -> [aux loss sum, token counts sum, forwards] since the last record
+        layers = [m for m in model.modules() if isinstance(m, MoE)]
+        self.top_k = sorted({m.top_k for m in layers})
+        # the parameters one token uses: all but the (1 - top_k / E) of the experts it is not routed to
+        self.inactive_parameters = sum(p.numel() * (1 - m.top_k / m.num_experts)
+                                       for m in layers for p in m.experts.parameters())
+
+    def describe(self, num_parameters: int) -> str:
+        """For the start-up summary: what a token uses of the model."""
+        active = num_parameters - self.inactive_parameters
+        k = "/".join(map(str, self.top_k))
+        return (f"{active / 1e6:.2f}M active per token: {len(self.names)} MoE layers, top-{k} of "
+                f"{self.num_experts} experts")
+
+    def __bool__(self) -> bool:
+        return bool(self.names)
+
+    def _layers(self) -> dict[str, MoE]:
+        return {n: m for part in self.trainer.model_parts for n, m in part.named_modules() if isinstance(m, MoE)}
+
+    def before_step(self) -> None:
+        tr = self.trainer
+        # A pipeline schedule divides every gradient by its number of micro-batches itself (torch's scale_grads).
+        micro_batches = 1 if tr.schedule is not None else tr.num_accumulation_steps
+        scale = (tr.scaler.scale if tr.scaler is not None else 1.0) / micro_batches
+        for m in self._layers().values():
+            m.aux_loss_grad_scale = scale
+
+    def after_step(self) -> None:
+        """Add the step's forwards to the window: the last ones of each layer (see the module docstring)."""
+        for name, m in self._layers().items():
+            forwards = m.pop_stats()[-self.trainer.num_accumulation_steps:]
+            if forwards:
+                w = self.window.setdefault(name, [0.0, 0, 0])
+                w[0] += float(sum(aux for aux, _ in forwards))
+                w[1] = w[1] + sum(counts for _, counts in forwards)
+                w[2] += len(forwards)
+
+    def record(self, step: int) -> dict:
+        """The window's load-balance metrics (every rank calls this at once: one all-reduce); rank 0 also appends
+        the tokens per expert to ``moe_tokens.jsonl``."""
+        tr = self.trainer
+        device = collective_device()
+        table = torch.zeros(len(self.names), self.num_experts + 2, dtype=torch.float64, device=device)
+        counted = getattr(tr, "tp_rank", 0) == 0  # tensor-parallel peers hold the same numbers
+        window, self.window = self.window, {}
+        for name, (aux, counts, forwards) in window.items():
+            if not counted:
+                continue
+            row = table[self.names.index(name)]
+            row[:counts.numel()] = counts.to(device, torch.float64)
+            row[-2], row[-1] = float(aux), forwards
+        if tr.world_size > 1:
+            dist.all_reduce(table)
+        table = table.cpu()
+        counts, aux, forwards = table[:, :-2], table[:, -2], table[:, -1].clamp(min=1)
+        mean = counts.sum(1) / self.num_experts
+        loads = [float(c.max() / m) if m > 0 else 1.0 for c, m in zip(counts, mean)]
+        if tr.is_main:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, "tokens_per_expert": {
+                    n: [int(v) for v in c] for n, c in zip(self.names, counts)}}) + "\n")
+        return {"moe_aux_loss": float((aux / forwards).sum()), "moe_max_load": sum(loads) / len(loads)}
+
+    def plot(self, title: str = "") -> Path | None:
+        """``moe_tokens.png``: each layer's max/mean load over the run, and each expert's share of the tokens
+        of the last window, layer by layer."""
+        if not self.path.exists():
+            return None
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+        if not records:
+            return None
+        fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
+        steps = [r["step"] for r in records]
+        for name in self.names:
+            loads = []
+            for r in records:
+                c = torch.tensor(r["tokens_per_expert"][name], dtype=torch.float64)
+                loads.append(float(c.max() / c.mean()) if c.sum() > 0 else 1.0)
+            left.plot(steps, loads, label=name, linewidth=1.0)
+        left.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+        left.set_xlabel("step")
+        left.set_ylabel("busiest expert / mean expert (tokens)")
+        left.set_title("load imbalance per MoE layer")
+        if len(self.names) <= 12:
+            left.legend(fontsize=7)
+        last = torch.tensor([records[-1]["tokens_per_expert"][n] for n in self.names], dtype=torch.float64)
+        share = last / last.sum(1, keepdim=True).clamp(min=1)
+        image = right.imshow(share.numpy(), aspect="auto", cmap="viridis")
+        right.set_xlabel("expert")
+        right.set_ylabel("MoE layer")
+        right.set_yticks(range(len(self.names)), self.names, fontsize=6)
+        right.set_title(f"share of tokens per expert, steps to {records[-1]['step']}")
+        fig.colorbar(image, ax=right)
+        fig.suptitle(title)
+        fig.tight_layout()
+        png = self.path.with_suffix(".png")
+        fig.savefig(png)
+        plt.close(fig)
+        return png

@@ -1,0 +1,3 @@
+from dufu.models.moe.model import MoEModel
+
+__all__ = ["MoEModel"]
