@@ -240,3 +240,31 @@ def test_a_bad_pretrained_source_fails_at_preflight(tmp_path):
     with pytest.raises(DataError, match=r"hidden_size=64 \(pretrained: 32\)"):
         preflight(load_config("gpt_debug", [f"model.pretrained={tmp_path / 'hf'}",
                                             f"train.output_dir={tmp_path / 'b'}"]), world_size=1)
+
+
+# Expert parallelism (moe_debug: 8 experts): id -> (world size, overrides, recipe, message fragments)
+BAD_EXPERT_LAYOUTS = {
+    "ep-not-dividing-dp": (
+        4, [f"{DP}=4", "train.dist.expert_parallel_size=3"], "moe_debug",
+        ["expert_parallel_size 3 must divide train.dist.data_parallel_size 4", "4 / 3 = 1.33333", "[1, 2, 4]"],
+    ),
+    "experts-not-divisible": (
+        6, [f"{DP}=6", "train.dist.expert_parallel_size=6"], "moe_debug",
+        ["does not divide the 8 experts of blocks.0.mlp.experts", "8 / 6 = 1.33333 experts per rank", "[1, 2, 4, 8]"],
+    ),
+    "ep-without-experts": (
+        2, [f"{DP}=2", "train.dist.expert_parallel_size=2"], "gpt_debug",
+        ["expert_parallel_size = 2, but GPTModel has no mixture-of-experts layer", "expert_parallel_size=1"],
+    ),
+    "ep-zero": (2, [f"{DP}=2", "train.dist.expert_parallel_size=0"], "moe_debug",
+                ["expert_parallel_size = 0 is not valid"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_EXPERT_LAYOUTS))
+def test_impossible_expert_layouts_fail_with_the_arithmetic(case, tmp_path):
+    world, overrides, recipe, fragments = BAD_EXPERT_LAYOUTS[case]
+    with pytest.raises(LayoutError) as err:
+        check(tmp_path, world, *overrides, recipe=recipe)
+    for fragment in fragments:
+        assert fragment in str(err.value), (fragment, str(err.value))
