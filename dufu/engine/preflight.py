@@ -23,6 +23,7 @@ from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DufuError, LayoutError
 from dufu.engine.pretrained import check_pretrained, load_pretrained, pretrained_source
 from dufu.parallel.checks import validate_layout
+from dufu.parallel.expert_parallel import selective_checkpoint_notice
 from dufu.parallel.materialize import materialize_, supports_meta_init
 from dufu.parallel.parallel_dims import ParallelDims
 
@@ -89,8 +90,9 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
     # A delta run's checkpoints hold only the delta: its base is read from its source on every start.
     base_from = None if getattr(model, "delta_info", None) is not None else resume_from
+    notices = [n for n in (notice, selective_checkpoint_notice(t.dist, t.activation_checkpoint)) if n]
     return RunPlan(dims, batch_sizes, resume_from, tokenizer, train_ds, valid_ds, seq_length, model, stage_ids,
-                   pretrained_weights(model, base_from), scheduler, [notice] if notice else [])
+                   pretrained_weights(model, base_from), scheduler, notices)
 
 
 def refuse_auto(cfg) -> None:

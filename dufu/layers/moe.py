@@ -163,7 +163,7 @@ class MoE(nn.Module):
         counts = torch.bincount(chosen, minlength=self.num_experts)  # (E,)
         y = self.experts(x[token], counts)  # (n, H)
         w = weights.flatten()[assignment].to(y.dtype)[:, None]  # (n, 1)
-        out = torch.zeros_like(x).index_add_(0, token, y * w)
+        out = x.new_zeros(x.shape, dtype=y.dtype).index_add_(0, token, y * w)  # y: the experts' (autocast) dtype
         if self.shared is not None:
             shared = self.shared(x)
             if self.shared_gate is not None:

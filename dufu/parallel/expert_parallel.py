@@ -106,6 +106,16 @@ class ExpertDispatch:
         return all_to_all_single_autograd(out.index_select(0, inverse), send, recv, self.group)
 
 
+def selective_checkpoint_notice(dist_cfg, checkpoint_cfg) -> str:
+    """The start-up notice for selective activation checkpointing under expert parallelism (see parallelize)."""
+    if (dist_cfg.get("expert_parallel_size", 1) > 1 and checkpoint_cfg.get("enabled")
+            and checkpoint_cfg.get("mode", "full") == "selective"):
+        return ("activation checkpointing: blocks with a MoE layer are checkpointed in full, not selectively, "
+                "under expert parallelism (the experts' data-parallel unit inside the block records profiler "
+                "ranges torch's selective checkpointing cannot replay); the other blocks stay selective")
+    return ""
+
+
 def apply_expert_parallel(model: nn.Module, ep_mesh) -> nn.Module:
     """Split every experts module of ``model`` over the 1-D ``ep_mesh`` (the ``expert`` axis), in place."""
     ep = ep_mesh.size()

@@ -48,7 +48,23 @@ def parallelize(
 
         apply_expert_parallel(model, expert_mesh["expert"])
     if activation_checkpoint:
-        apply_activation_checkpointing(model, "full" if activation_checkpoint is True else activation_checkpoint)
+        mode = "full" if activation_checkpoint is True else activation_checkpoint
+        if expert_mesh is not None and mode == "selective":
+            # The experts' data-parallel unit sits inside the block, and FSDP2's hooks record profiler ranges
+            # that torch 2.13's selective checkpointing cannot replay in the recomputation: blocks with a MoE
+            # layer are checkpointed in full (the start-up summary says so: selective_checkpoint_notice).
+            from dufu.parallel.expert_parallel import expert_modules
+            from dufu.parallel.parallelize_utils import transformer_blocks
+
+            blocks = transformer_blocks(model)
+            moe = [(n, b) for n, b in blocks if expert_modules(b)]
+            if moe:
+                apply_activation_checkpointing(model, "full", blocks=lambda m: moe)
+            mode_blocks = [(n, b) for n, b in blocks if not expert_modules(b)]
+            if mode_blocks:
+                apply_activation_checkpointing(model, mode, blocks=lambda m: mode_blocks)
+        else:
+            apply_activation_checkpointing(model, mode)
     if compile:
         apply_compile(model)
     if data_parallel or zero_stage:

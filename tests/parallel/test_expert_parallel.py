@@ -3,8 +3,9 @@
 moe_debug in fp32 with dropless routing, a fixed global batch of 8 in micro-batches of 2 for 5 steps
 (PARITY_ARGS, as every layout test): losses within 1e-5 and the final weights, under
 
-* dp4 with ep2 (experts replicated over the 2 ``expert_data`` ranks), dp2 with ep2 and ZeRO-3,
-  dp2 x tp2 with ep2 and sequence parallelism, dp2 x pp2 with ep2;
+* dp4 with ep2 (experts replicated over the 2 ``expert_data`` ranks), dp2 with ep2, ZeRO-3 and selective
+  activation checkpointing, dp2 x tp2 with ep2 and sequence parallelism, dp2 x pp2 with ep2;
+* dp2 with ep2 in bf16 against one process in bf16 (the bf16 tolerances of tests/parity.py);
 * dp2 with ep2 stopped after step 3, then resumed at dp4 with ep4 and in one process (the checkpoint's
   experts are Shard(0) DTensors: DCP reshards them).
 
@@ -33,7 +34,7 @@ ZERO3 = ("train.zero_optimization.enabled=True", "train.zero_optimization.stage=
 # id: (processes, overrides)
 LAYOUTS = {
     "dp4-ep2": (4, [DP4, EP2]),
-    "dp2-ep2-zero3": (2, [DP2, EP2, *ZERO3]),
+    "dp2-ep2-zero3-ac": (2, [DP2, EP2, *ZERO3, "train.activation_checkpoint.enabled=True"]),
     "dp2xtp2-ep2-sp": (4, [DP2, EP2, "train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"]),
     "dp2xpp2-ep2": (4, [DP2, EP2, "train.dist.pipeline_parallel_size=2"]),
 }
@@ -56,6 +57,14 @@ def test_expert_parallel_layout_matches_single_process(layout, moe_reference, tm
     assert [sum(sum(c) for c in r["tokens_per_expert"].values()) for r in tokens] == [2 * 256 * 2] * 5
     ref = [json.loads(line) for line in (moe_reference.output_dir / "moe_tokens.jsonl").read_text().splitlines()]
     assert tokens == ref
+
+
+def test_expert_parallelism_in_bf16_matches_single_process_in_bf16(tmp_path):
+    bf16 = ("train.amp.enabled=True", "train.amp.dtype=bf16")
+    reference = tmp_path / "reference"
+    train(reference, (*PARITY_ARGS, *bf16), recipe="moe_debug")
+    got = parity_run(tmp_path / "dp2-ep2", 2, DP2, EP2, *bf16, config="moe_debug")
+    assert_matches_reference(got, collect(reference), "moe_debug dp2 ep2 bf16", precision="bf16")
 
 
 def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_in_one_process(moe_reference, tmp_path):
