@@ -7,6 +7,8 @@ code and that no traceback reaches stderr.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import yaml
 
@@ -97,11 +99,17 @@ def test_new_run_into_an_existing_run_dir_is_refused(copy_run, capsys):
     assert snapshot(out) == before
 
 
-def test_resume_without_a_checkpoint_is_refused(tmp_path, capsys):
-    out = tmp_path / "empty_run"
-    assert main(["train", "gpt_debug", "--resume", *TINY, f"train.output_dir={out}"]) == 2
-    assert_one_paragraph_error(capsys.readouterr().err, "--resume was given", "no complete checkpoint")
-    assert not out.exists()
+def test_resume_without_a_checkpoint_starts_at_step_0_and_says_so(tmp_path, capsys):
+    # A restartable job script always passes --resume; its first attempt may have died before any checkpoint
+    # (here: a directory with a partial save and a metrics file of the dead attempt).
+    out = tmp_path / "first_attempt_died"
+    (out / "checkpoints" / ".step_0000002.partial").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 1, "loss": 9.0}\n')
+    assert main(["train", "gpt_debug", "--resume", *TINY, f"train.output_dir={out}"]) == 0
+    said = " ".join(capsys.readouterr().out.split())
+    assert "holds no complete checkpoint yet, so this run starts at step 0" in said
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 1 and records[0]["loss"] != 9.0  # the dead attempt's record is gone
 
 
 def test_unknown_option_and_command(capsys):

@@ -38,6 +38,7 @@ class MoEMonitor:
         self.names = moe_layer_names(model)
         self.num_experts = max((m.num_experts for m in model.modules() if isinstance(m, MoE)), default=0)
         self.path = Path(trainer.output_dir) / "moe_tokens.jsonl"
+        self._started = False
         self.window = {}  # layer name -> [aux loss sum, token counts sum, forwards] since the last record
         layers = [m for m in model.modules() if isinstance(m, MoE)]
         self.top_k = sorted({m.top_k for m in layers})
@@ -60,6 +61,12 @@ class MoEMonitor:
 
     def before_step(self) -> None:
         tr = self.trainer
+        if not self._started:  # the first step of this process: the file reads as one run
+            self._started = True
+            if tr.is_main and self.path.exists():
+                kept = [line for line in self.path.read_text().splitlines()
+                        if line.strip() and tr.resume_from is not None and json.loads(line)["step"] <= tr.step]
+                self.path.write_text("".join(line + "\n" for line in kept))
         # A pipeline schedule divides every gradient by its number of micro-batches itself (torch's scale_grads).
         micro_batches = 1 if tr.schedule is not None else tr.num_accumulation_steps
         scale = (tr.scaler.scale if tr.scaler is not None else 1.0) / micro_batches

@@ -68,6 +68,7 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     batch_sizes = resolve_batch_sizes(t.train_micro_batch_size, t.global_batch_size, t.num_accumulation_steps,
                                       dims.data_parallel_size)
     resume_from = resume_checkpoint(Path(t.output_dir), resume)
+    resume_note = resume_notice(Path(t.output_dir), resume, resume_from)
     torch.manual_seed(t.seed)
     tokenizer = instantiate(cfg.tokenization.tokenizer)
     train_ds, valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # fills the data cache
@@ -90,7 +91,7 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
     # A delta run's checkpoints hold only the delta: its base is read from its source on every start.
     base_from = None if getattr(model, "delta_info", None) is not None else resume_from
-    notices = [n for n in (notice, selective_checkpoint_notice(t.dist, t.activation_checkpoint)) if n]
+    notices = [n for n in (resume_note, notice, selective_checkpoint_notice(t.dist, t.activation_checkpoint)) if n]
     return RunPlan(dims, batch_sizes, resume_from, tokenizer, train_ds, valid_ds, seq_length, model, stage_ids,
                    pretrained_weights(model, base_from), scheduler, notices)
 
@@ -176,19 +177,15 @@ def build_model(cfg, tokenizer, seq_length: int) -> nn.Module:
 
 def resume_checkpoint(output_dir: Path, resume: bool | str) -> Optional[Path]:
     """The checkpoint a run continues from (see :func:`plan_run`), or None for a new run. A path: that checkpoint
-    (``dufu eval``), which must be complete."""
+    (``dufu eval``), which must be complete. ``--resume`` with no complete checkpoint yet (the first attempt of
+    a restartable job script was killed before its first save) starts at step 0, as Megatron's ``--load``,
+    torchtitan and LiBai do; :func:`resume_notice` says so. A checkpoint that exists but is corrupt, partial or
+    of another model fails when it is loaded, as before."""
     if isinstance(resume, Path):
         Checkpointer(resume.parent).verify(resume)
         return resume
     latest = Checkpointer(output_dir / "checkpoints").latest()
-    if resume == "auto":
-        return latest
-    if resume:
-        if latest is None:
-            raise DufuError(
-                f"--resume was given but {output_dir / 'checkpoints'} holds no complete checkpoint. "
-                "Check train.output_dir, or start the run without --resume."
-            )
+    if resume:  # True (--resume) or "auto" (restarts): the newest complete checkpoint, or step 0 if there is none
         return latest
     if latest is not None or (output_dir / "metrics.jsonl").exists():
         raise DufuError(
@@ -197,6 +194,15 @@ def resume_checkpoint(output_dir: Path, resume: bool | str) -> Optional[Path]:
             "--resume; to start a new run, choose another directory (train.output_dir=...) or delete this one."
         )
     return None
+
+
+def resume_notice(output_dir: Path, resume, resume_from: Optional[Path]) -> str:
+    """The start-up line for ``--resume`` that found no complete checkpoint (``resume=True`` only: a restart
+    through ``--max-restarts`` that has none yet is the first attempt again, nothing to say)."""
+    if resume is True and resume_from is None:
+        return (f"--resume: {output_dir / 'checkpoints'} holds no complete checkpoint yet, so this run starts at "
+                "step 0")
+    return ""
 
 
 def model_to_split(cfg, plan, meta_init: bool):

@@ -79,6 +79,8 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_in_one_process(moe_referen
     launch.assert_ok(resumed)
     assert "ep 4" in resumed.stdout
     assert_matches_reference(base, moe_reference, "moe_debug saved at dp2 ep2, resumed at dp4 ep4")
+    tokens = [json.loads(line) for line in (base / "moe_tokens.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in tokens] == [1, 2, 3, 4, 5]  # one record per step, none twice after the resume
     single = launch.run(launch.train_command("moe_debug", one, 1, *PARITY_ARGS, "train.checkpointer.period=3",
                                              resume=True), output_dir=one)
     launch.assert_ok(single)
