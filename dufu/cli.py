@@ -110,12 +110,15 @@ def cmd_train(argv: list[str]) -> int:
             LazyConfig.save(cfg, os.path.join(d, "config.yaml"))
             print(open(os.path.join(d, "config.yaml")).read())
         return 0
+    from dufu.engine.preemption import PREEMPTED_EXIT_CODE
     from dufu.parallel.launch import finish_distributed
     from dufu.engine.trainer import Trainer
 
-    Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume, notices=[notice] if notice else ()).train()
-    finish_distributed(0)
-    return 0
+    trainer = Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume, notices=[notice] if notice else ())
+    trainer.train()
+    code = PREEMPTED_EXIT_CODE if trainer.preempted else 0  # a scheduler requeues the job (dufu.engine.preemption)
+    finish_distributed(code)
+    return code
 
 
 def resolve_auto(cfg, world_size: int):
@@ -136,6 +139,12 @@ def launch(args, config, overrides, cfg) -> int:
     from dufu.engine.preflight import preflight
 
     nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
+    if args.max_restarts and not cfg.train.checkpointer.get("period"):
+        raise DufuError(
+            f"--max-restarts {args.max_restarts} with periodic checkpoints turned off "
+            f"(train.checkpointer.period={cfg.train.checkpointer.get('period')!r}): a restarted job resumes from the "
+            "last checkpoint, and there would be none, so every restart would begin again at step 0. Set "
+            "train.checkpointer.period to a number of steps (e.g. train.checkpointer.period=100).")
     preflight(cfg, world_size=args.nproc * nnodes,
               resume=True if args.resume else ("auto" if args.max_restarts else False))
     argv = ([config] if config else []) + overrides
@@ -144,8 +153,17 @@ def launch(args, config, overrides, cfg) -> int:
         argv.append("--resume-if-exists" if not args.resume else "--resume")
     cmd = torchrun_command(args.nproc, argv, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, master_port=args.master_port,
-                           max_restarts=args.max_restarts)
-    return run_torchrun(cmd)
+                           max_restarts=args.max_restarts,
+                           shutdown_timeout=cfg.train.preemption.get("grace_seconds", 120))
+    code = run_torchrun(cmd)
+    from dufu.engine.preemption import PREEMPTED_EXIT_CODE, read_marker
+
+    preempted = read_marker(cfg.train.output_dir)
+    if code != 0 and preempted is not None:
+        print(f"preempted by {preempted['signal']} at step {preempted['step']}: the checkpoint is complete; "
+              "continue with --resume", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    return code
 
 
 def run_torchrun(cmd: list[str]) -> int:

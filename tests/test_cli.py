@@ -112,6 +112,15 @@ def test_resume_without_a_checkpoint_starts_at_step_0_and_says_so(tmp_path, caps
     assert records[0]["step"] == 1 and records[0]["loss"] != 9.0  # the dead attempt's record is gone
 
 
+def test_max_restarts_without_periodic_checkpoints_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "gpt_debug", "--nproc", "2", "--max-restarts", "2", *TINY, f"train.output_dir={out}"]
+    assert main(argv) == 2
+    assert_one_paragraph_error(capsys.readouterr().err, "--max-restarts 2 with periodic checkpoints turned off",
+                               "would begin again at step 0", "train.checkpointer.period=100")
+    assert not out.exists()
+
+
 def test_unknown_option_and_command(capsys):
     assert main(["train", "gpt_debug", "--frobnicate"]) == 2
     assert_one_paragraph_error(capsys.readouterr().err, "unknown option(s) --frobnicate")

@@ -7,6 +7,8 @@
 * ``kill_in_save:R:S``  rank R SIGKILLs its whole job in the middle of writing the step-S checkpoint
                         (after the shards are written, before the checkpoint is committed)
 * ``nan:R:S``           rank R's loss becomes NaN at step S
+* ``term:R:S``, ``usr1:R:S``  rank R sends SIGTERM / SIGUSR1 to its job at the start of step S, as a scheduler
+                        preempting it would: to its torchrun agent (the launcher) if it has one, else to itself
 
 A rank of ``*`` means every rank. Faults fire only in the first attempt of an elastic job
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted job runs clean.
@@ -44,6 +46,9 @@ def at_step_start(step: int) -> None:
     if should_fire("hang", step):
         while True:
             time.sleep(3600)
+    for kind, sig in (("term", signal.SIGTERM), ("usr1", signal.SIGUSR1)):
+        if should_fire(kind, step):
+            os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), sig)
 
 
 def in_save(step: int) -> None:
@@ -56,11 +61,12 @@ def in_save(step: int) -> None:
 
 
 def install(trainer) -> None:
-    """Make ``trainer`` fire the training faults ``DUFU_FAULT`` names: ``exit`` and ``hang`` as a step starts,
+    """Make ``trainer`` fire the training faults ``DUFU_FAULT`` names: ``exit``, ``hang``, ``term`` and ``usr1``
+    as a step starts,
     ``nan`` after the step's backward (the first gradient and the loss become NaN on that rank only, after
     any gradient reduction, as a local overflow would). Wraps this object's ``train_step`` and
     ``forward_backward``; nothing happens without ``DUFU_FAULT``."""
-    if not any(kind in ("exit", "hang", "nan") for kind, _, _ in _faults()):
+    if not any(kind in ("exit", "hang", "nan", "term", "usr1") for kind, _, _ in _faults()):
         return
     train_step, forward_backward = trainer.train_step, trainer.forward_backward
 

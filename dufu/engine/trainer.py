@@ -33,6 +33,7 @@ from dufu.engine.generate import generate
 from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.precision import agree, choose_precision
 from dufu.engine.moe_monitor import MoEMonitor
+from dufu.engine.preemption import Preemption, clear_marker, write_marker
 from dufu.engine.preflight import model_to_split, plan_run, with_kwargs
 from dufu.engine.distill import Teacher
 from dufu.parallel import env
@@ -114,6 +115,7 @@ class Trainer:
         self.skipped_steps = 0  # updates dropped for a non-finite gradient under nan_policy="skip"
         self.activity = "before the first step"  # where the loop is, for DistributedFailure messages
         self.eval_enabled = bool(t.evaluation.enabled) and self.valid_ds is not None
+        self.preemption, self.preempted = Preemption(t.preemption.get("enabled", True)), None  # SIGTERM, SIGUSR1
         faults.install(self)  # DUFU_FAULT's test faults (a no-op without it)
 
     # ------------------------------------------------------------- building
@@ -330,7 +332,9 @@ class Trainer:
                 self.activity = f"while saving the checkpoint of step {self.step}"
                 log.checkpoint(self.save_checkpoint())
         self.checkpointer.wait()
-        return log.finish(stop_reason, self.sample_text)
+        if self.preempted and self.is_main:  # the launcher's exit code reads it (dufu.engine.preemption)
+            write_marker(self.output_dir, self.step, self.preempted)
+        return log.finish(stop_reason, list if self.preempted else self.sample_text)  # no samples in a grace period
 
     def _begin(self) -> None:
         """Resume, and (rank 0) write what reproduces the run and show the start-up summary."""
@@ -341,15 +345,20 @@ class Trainer:
             self.log(f"resumed from {self.resume_from} (step {self.step})")
         if self.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
+            clear_marker(self.output_dir)  # an earlier attempt's preemption is over
             LazyConfig.save(self.cfg, self.output_dir / "config.yaml")
             self.tokenizer.save(str(self.output_dir / "tokenizer.json"))
             self.log(self.describe())
 
     def _stop_reason(self, t_start: float) -> Optional[str]:
-        """train.stop_at_iter / stop_after_minutes; the time verdict is rank 0's, shared with all ranks."""
+        """Preemption (SIGTERM/SIGUSR1, agreed by all ranks), train.stop_at_iter / stop_after_minutes (the time
+        verdict is rank 0's, shared with all ranks)."""
         t = self.cfg.train
         if self.step >= t.train_iter:
             return None
+        self.preempted = self.preemption.requested(self.health_group, self.world_size)
+        if self.preempted:
+            return f"preempted by {self.preempted}"
         if t.get("stop_at_iter") and self.step == t.stop_at_iter:  # reached in this run (a resume goes past it)
             return f"train.stop_at_iter={t.stop_at_iter}"
         minutes = t.get("stop_after_minutes")

@@ -55,7 +55,8 @@ def finish_distributed(exit_code: int = 0) -> None:
 
 def torchrun_command(nproc: int, argv: list[str], nnodes: str | None = None, node_rank: int | None = None,
                      master_addr: str | None = None, master_port: int | None = None,
-                     max_restarts: int | None = None, command: str = "train") -> list[str]:
+                     max_restarts: int | None = None, command: str = "train",
+                     shutdown_timeout: int | None = None) -> list[str]:
     """``python -m torch.distributed.run ... -m dufu COMMAND ARGV`` (``train``, or ``eval``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
     if nnodes is None and master_addr is None:
@@ -70,4 +71,8 @@ def torchrun_command(nproc: int, argv: list[str], nnodes: str | None = None, nod
         cmd.append(f"--master-port={master_port}")
     if max_restarts is not None:
         cmd.append(f"--max-restarts={max_restarts}")
+    if shutdown_timeout is not None:  # how long a signalled worker may take to save and stop
+        cmd.append(f"--shutdown-timeout={int(shutdown_timeout)}")
+    if command == "train":  # the agent passes these on to the workers, which save and stop (engine.preemption)
+        cmd.append("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
     return cmd + ["-m", "dufu", command, *argv]

@@ -75,6 +75,9 @@ train = dict(
         timeout_minutes=10.0,
     ),
     zero_optimization=dict(enabled=False, stage=1),
+    # SIGTERM / SIGUSR1 (a scheduler's preemption): every rank finishes its step, saves a checkpoint and exits
+    # with code 75; the launcher gives the workers grace_seconds before it kills them. dufu.engine.preemption
+    preemption=dict(enabled=True, grace_seconds=120),
     # Peak FLOP/s of one device for MFU, in TFLOP/s; None = data sheet (known GPUs) or a measured matmul (CPU).
     peak_tflops=None,
     tensorboard=True,
