@@ -10,6 +10,11 @@ From the command line (``dufu preprocess`` calls :func:`main`)::
 
 which also saves the tokenizer as ``<prefix>.tokenizer.json`` so the dataset
 and its tokenizer travel together.
+
+``--format megatron`` (``format="megatron"``) writes Megatron-LM's indexed
+format instead of dufu's, one sequence per document, so the pair trains in
+Megatron-LM or LiBai as it is (``--data-path out/corpus``); dufu trains on
+either. The ``.bin`` is the same in both formats, only the ``.idx`` differs.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from tqdm import tqdm
 from dufu.errors import DataError
 
 from .corpus import Input, read_documents
-from .indexed_dataset import IndexedDatasetWriter
+from .indexed_dataset import FORMATS, IndexedDatasetWriter
 from .tokenizer import KINDS, Tokenizer, build_tokenizer
 
 # Documents are encoded in batches so the tokenizers library can use all cores.
@@ -52,24 +57,30 @@ def preprocess(
     append_eod: bool = True,
     json_key: str = "text",
     show_progress: bool = True,
+    format: str = "dufu",
 ) -> str:
     """Tokenize every document of ``inputs`` and write the indexed dataset ``output_prefix``; returns the prefix.
 
     Each document becomes one indexed document, followed by the tokenizer's
     end-of-document id if ``append_eod``. Empty documents are skipped. The
     output appears atomically: an interrupted run leaves no ``.bin`` / ``.idx``.
+    ``format`` is ``"dufu"`` (the default) or ``"megatron"`` (Megatron-LM's indexed format).
     """
-    return _preprocess(inputs, output_prefix, tokenizer, append_eod, json_key, show_progress).prefix
+    return _preprocess(inputs, output_prefix, tokenizer, append_eod, json_key, show_progress, format).prefix
 
 
-def _preprocess(inputs, output_prefix, tokenizer, append_eod, json_key, show_progress) -> PreprocessStats:
+def _preprocess(
+    inputs, output_prefix, tokenizer, append_eod, json_key, show_progress, format="dufu"
+) -> PreprocessStats:
+    if format not in FORMATS:  # before the inputs are read
+        raise DataError(f"Unknown output format {format!r}; choose one of {', '.join(FORMATS)}.")
     documents = read_documents(inputs, json_key=json_key)  # checks the inputs before any output is created
     start = time.perf_counter()
     skipped = 0
     bar = tqdm(
         desc="tokenizing", unit=" docs", file=sys.stderr, disable=not show_progress, dynamic_ncols=True
     )
-    with bar, IndexedDatasetWriter(output_prefix, tokenizer.vocab_size) as writer:
+    with bar, IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, format=format) as writer:
         for batch in _batches(documents):
             texts = [t for t in batch if t]
             skipped += len(batch) - len(texts)
@@ -131,6 +142,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json-key", default="text", help="field of each .jsonl line that holds the text (default: text)")
     p.add_argument("--no-eod", action="store_true", help="do not append <|endoftext|> after each document")
     p.add_argument(
+        "--format",
+        default="dufu",
+        choices=FORMATS,
+        help="index format: dufu (default) or megatron (Megatron-LM's / LiBai's .bin/.idx, which Megatron reads "
+        "with --data-path <prefix>); dufu trains on either",
+    )
+    p.add_argument(
         "--cache-dir", default=None, help="cache for trained tokenizers (default: $DUFU_CACHE_DIR or ~/.cache/dufu)"
     )
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -153,12 +171,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         cache_dir=args.cache_dir,
         json_key=args.json_key,
     )
-    stats = _preprocess(args.inputs, prefix, tokenizer, not args.no_eod, args.json_key, not args.quiet)
+    stats = _preprocess(args.inputs, prefix, tokenizer, not args.no_eod, args.json_key, not args.quiet, args.format)
     tokenizer_file = tokenizer.save(prefix + ".tokenizer.json")
     rate = stats.tokens / stats.seconds if stats.seconds > 0 else float("inf")
     print(
         f"dufu preprocess: {stats.documents:,} documents, {stats.tokens:,} tokens "
-        f"({tokenizer.name} tokenizer, vocab_size {tokenizer.vocab_size:,}) "
+        f"({tokenizer.name} tokenizer, vocab_size {tokenizer.vocab_size:,}; {args.format} format) "
         f"in {stats.seconds:.2f} s, {_human(rate, 'tokens/s')}"
     )
     if stats.empty_skipped:
