@@ -69,7 +69,9 @@ class GroupedExperts(nn.Module):
                 nn.init.normal_(w, std=self.init_std if std is None else std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)  # (E_local, 2F, H), (E_local, H, F)
+        # unbind: one view per expert whose backward stacks the experts' gradients into one tensor (indexing
+        # gate_up[e] would give every expert a gradient the size of the whole grouped weight)
+        gate_up, down = _local(self.gate_up_proj).unbind(0), _local(self.down_proj).unbind(0)  # E_local x (2F, H), (H, F)
         outputs = []
         for e, chunk in enumerate(x.split(counts.tolist())):  # one contiguous slice per expert
             gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)  # (n_e, F) each

@@ -7,8 +7,8 @@
 
 The model is built on the meta device and one training step is traced on fake tensors (:mod:`dufu.plan.shapes`);
 memory replays dufu's mechanisms over it (:mod:`dufu.plan.memory`), time prices its ops and the layout's
-communication on a device (:mod:`dufu.plan.timing`, :mod:`dufu.plan.hardware`). docs/plan.md has the formulas,
-their sources and the check against published cluster results.
+communication on a device (:mod:`dufu.plan.timing`, :mod:`dufu.plan.comm`, :mod:`dufu.plan.hardware`).
+docs/plan.md has the formulas, their sources and the check against published cluster results.
 """
 
 from dufu.config.overrides import AUTO_KEYS

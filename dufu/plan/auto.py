@@ -106,6 +106,9 @@ def _apply(cfg, layout: dict) -> None:
     d.sequence_parallel = layout["sequence_parallel"]
     d.virtual_pipeline_size = layout["virtual_pipeline_size"]
     d.pipeline_schedule = layout["pipeline_schedule"]
+    ep = layout.get("expert_parallel_size", 1)
+    if ep > 1 or "expert_parallel_size" in d:
+        d.expert_parallel_size = ep
     t.train_micro_batch_size = layout["micro_batch_size"]
     if t.get("global_batch_size") is None:
         t.num_accumulation_steps = layout["num_accumulation_steps"]
@@ -120,7 +123,8 @@ def _apply(cfg, layout: dict) -> None:
 # What _apply writes: the keys a launcher passes on to its workers as overrides.
 RESOLVED_KEYS = ("train.dist.data_parallel_size", "train.dist.tensor_parallel_size",
                  "train.dist.pipeline_parallel_size", "train.dist.sequence_parallel",
-                 "train.dist.virtual_pipeline_size", "train.dist.pipeline_schedule", "train.train_micro_batch_size",
+                 "train.dist.virtual_pipeline_size", "train.dist.pipeline_schedule",
+                 "train.dist.expert_parallel_size", "train.train_micro_batch_size",
                  "train.num_accumulation_steps", "train.zero_optimization.enabled", "train.zero_optimization.stage",
                  "train.activation_checkpoint.enabled", "train.activation_checkpoint.mode")
 
@@ -131,6 +135,8 @@ def resolved_overrides(cfg) -> list[str]:
 
     out = ["train.dist.auto=False"] if "auto" in cfg.train.dist else []
     for key in RESOLVED_KEYS:
+        if key == "train.dist.expert_parallel_size" and "expert_parallel_size" not in cfg.train.dist:
+            continue  # a config written before expert parallelism had the key, run without it
         node = cfg
         for part in key.split("."):
             node = node.get(part) if hasattr(node, "get") else None

@@ -18,8 +18,10 @@ received tokens (a new buffer, and a new one for their gradient in backward), th
 (``index_select``), the same on the way back, and the ``1 / ep`` gradient scaling. Balanced, a rank receives as
 many token copies as it sends (``tokens x top_k``), spread evenly over its experts, so each local expert
 multiplies ``ep`` times the tokens of an expert without expert parallelism: larger matrix multiplies, and
-``1 / ep`` of the loop's ops. The exchanges themselves are priced by :func:`dufu.plan.timing.ep_comm` from the
+``1 / ep`` of the loop's ops. The exchanges themselves are priced by :func:`dufu.plan.comm.ep_comm` from the
 bytes recorded here (:class:`dufu.plan.shapes.ExpertsCall`).
+
+The trace's recorder applies all of this through :class:`MoERecording`, its part for MoE layers.
 """
 
 from __future__ import annotations
@@ -29,9 +31,11 @@ import math
 import torch
 from torch import nn
 
-# Small ops ExpertDispatch runs per exchange besides the ones stood in for here (splits, cumulative sums, the
-# expert-major order; read off dufu.parallel.expert_parallel): they cost a dispatch each.
-DISPATCH_BOOKKEEPING_OPS = 20
+# Small ops ExpertDispatch runs besides the ones stood in for here, counted off dufu.parallel.expert_parallel:
+# the dispatch's sums of the counts, the expert-major order (cumulative sums, repeat_interleave, index
+# arithmetic); the combine's inverse order. Each costs a dispatch (host time).
+DISPATCH_BOOKKEEPING_OPS = 18
+COMBINE_BOOKKEEPING_OPS = 3
 # Bytes of one expert's token count in the counts exchange (int64).
 COUNT_BYTES = 8
 
@@ -102,3 +106,69 @@ def combine(out: torch.Tensor, ep: int) -> torch.Tensor:
     inverse = torch.arange(out.shape[0], device=out.device)
     out = _ScaleGrad.apply(out, 1.0 / ep)
     return _Exchange.apply(out.index_select(0, inverse))
+
+
+class MoERecording:
+    """The part of :class:`dufu.plan.recorder.Recorder` that traces mixture-of-experts layers: the token counts a
+    MoE layer reads (:func:`balanced`), the assignments its capacity keeps (:func:`kept_assignments`), and around
+    every experts module the bytes an expert-parallel exchange moves and, under expert parallelism, the exchange's
+    stand-in (:func:`dispatch`, :func:`combine`). It works on the recorder's ``ep``, ``values``, ``moe_stack`` and
+    ``experts_calls``, its current ``part`` and ``phase``, and its ``_part_ops`` and ``record``."""
+
+    def counts(self, n: int, groups: int) -> torch.Tensor:
+        """A (groups,) token-count tensor whose values (``n`` balanced over ``groups``) reads of it return."""
+        out = torch.empty(groups, dtype=torch.long)
+        self.values[out.untyped_storage()._cdata] = balanced(n, groups)
+        return out
+
+    def _enter_moe(self, module, args) -> None:
+        self.moe_stack.append(module)
+
+    def _leave_moe(self, module, args, output) -> None:
+        self.moe_stack.pop()
+
+    def _experts_in(self, module, args):
+        x, counts = args
+        self.experts_calls.append(dict(part=self.part, in_bytes=x.numel() * x.element_size(), out_bytes=0,
+                                       num_experts=module.num_experts, recomputed=self.phase != "fwd"))
+        if self.ep <= 1:
+            return None
+        self._part_ops().ops += DISPATCH_BOOKKEEPING_OPS
+        x = dispatch(x, self.ep)
+        return x, self.counts(x.shape[0], module.num_experts // self.ep)
+
+    def _experts_out(self, module, args, out):
+        self.experts_calls[-1]["out_bytes"] = out.numel() * out.element_size()
+        if self.ep <= 1:
+            return None
+        self._part_ops().ops += COMBINE_BOOKKEEPING_OPS
+        return combine(out, self.ep)
+
+    def _data_dependent(self, func, args, kwargs):
+        """The result of an op whose output depends on values a fake tensor lacks, under balanced routing; None
+        for every other op."""
+        aten = torch.ops.aten
+        if func is aten._local_scalar_dense.default:
+            t = args[0]
+            values = self.values.get(t.untyped_storage()._cdata)
+            if values is not None:
+                return values[t.storage_offset()]
+            return None
+        if func is aten.bincount.default:
+            x = args[0]
+            weights = args[1] if len(args) > 1 else kwargs.get("weights")
+            length = args[2] if len(args) > 2 else kwargs.get("minlength", 0)
+            if weights is None and length > 0:
+                out = self.counts(x.numel(), length)  # the token counts of a MoE layer's experts
+                self.record(func, args, kwargs, out)
+                return out
+            return None
+        if func is aten.index.Tensor and self.moe_stack:
+            x, indices = args[0], args[1]
+            if len(indices) == 1 and indices[0] is not None and indices[0].dtype == torch.bool:
+                mask = indices[0]  # the assignments within capacity (MoE._keep)
+                kept = kept_assignments(self.moe_stack[-1], mask.numel())
+                out = torch.empty((kept,) + tuple(x.shape[mask.dim():]), dtype=x.dtype)
+                self.record(func, args, kwargs, out)
+                return out
+        return None

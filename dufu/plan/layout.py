@@ -25,6 +25,7 @@ class Layout:
     global_batch_size: int
     zero_stage: int  # 0: ZeRO off
     activation_checkpoint: object  # False, "selective" or "full"
+    expert_parallel_size: int = 1  # MoE experts split over this many of the data-parallel ranks (divides dp)
 
     @property
     def world_size(self) -> int:
@@ -37,6 +38,8 @@ class Layout:
         parts = [f"dp{self.data_parallel_size}", f"tp{self.tensor_parallel_size}", f"pp{self.pipeline_parallel_size}"]
         text = " x ".join(parts)
         extras = []
+        if self.expert_parallel_size > 1:
+            extras.append(f"ep{self.expert_parallel_size}")
         if self.sequence_parallel:
             extras.append("sp")
         if self.pipeline_parallel_size > 1:
@@ -64,6 +67,8 @@ class Layout:
         ]
         if self.zero_stage:
             out.append(f"train.zero_optimization.stage={self.zero_stage}")
+        if self.expert_parallel_size > 1:
+            out.append(f"train.dist.expert_parallel_size={self.expert_parallel_size}")
         return out
 
 

@@ -6,6 +6,9 @@ compute dtype, as dufu's autocast keeps them):
 * parameters 4 B, gradients 4 B, AdamW's two moments 8 B (Rajbhandari et al. 2020's model states);
 * under ZeRO (FSDP2 ``fully_shard``) all three are shards, 1/dp each. dufu runs stage 1 with stage-2 sharding
   (:mod:`dufu.parallel.data_parallel`), so stages 1 and 2 hold the same;
+* every expert of a mixture-of-experts layer (all ``E``, though a token uses ``top_k``); under expert parallelism
+  (``ep``) a rank holds ``E / ep`` of them, data-parallel over the ``dp / ep`` ranks of its ``expert_data`` group
+  (:mod:`dufu.parallel.expert_parallel`): replicated there, or ZeRO shards of ``1 / (dp / ep)``;
 * a last pipeline stage with a tied head keeps its own copy of the embedding (and its gradient and moments); under
   ZeRO-3 without pipelining the output unit keeps a sharded copy (4/dp B per table entry).
 
@@ -75,9 +78,31 @@ def rank_parts(info: ModelInfo, layout: Layout, setup: Setup) -> list[list[int]]
     return out
 
 
-def part_elems(info: ModelInfo, p: int, tp: int) -> float:
+def part_elems(info: ModelInfo, p: int, tp: int, ep: int = 1) -> float:
+    """Parameters of part ``p`` one rank holds before ZeRO: a ``1 / tp`` share of those tensor parallelism splits,
+    ``1 / ep`` of the experts."""
     part = info.parts[p]
-    return part.params - part.tp_split + part.tp_split / tp
+    elems = part.params - part.tp_split + part.tp_split / tp
+    if part.experts and ep > 1:
+        elems -= part.experts - part.experts / ep
+    return elems
+
+
+def expert_elems(info: ModelInfo, parts: list[int], ep: int = 1) -> float:
+    """Parameters of MoE experts a rank holding ``parts`` has before ZeRO (``E / ep`` experts per layer)."""
+    return sum(info.parts[p].experts for p in parts) / ep
+
+
+def owned(nbytes: float, elems: float, experts: float, layout: Layout) -> float:
+    """Bytes of ``nbytes`` per parameter the rank owns of the ``elems`` it holds (``experts`` of them MoE
+    experts') under the layout's ZeRO: ``1 / dp`` of the others, ``1 / (dp / ep)`` of the experts (sharded over
+    ``expert_data``)."""
+    if not layout.zero_stage:
+        return nbytes * elems
+    dp, ep = layout.data_parallel_size, layout.expert_parallel_size
+    if not experts or ep == 1:
+        return nbytes * elems / dp
+    return nbytes * (elems - experts) / dp + nbytes * experts / (dp // ep)
 
 
 def in_flight(layout: Layout, rank: int) -> float:
@@ -100,14 +125,15 @@ class _Units:
 
     def __init__(self, info: ModelInfo, parts: list[int], layout: Layout):
         self.info, self.parts = info, parts
-        tp, stage = layout.tensor_parallel_size, layout.zero_stage
+        tp, stage, ep = layout.tensor_parallel_size, layout.zero_stage, layout.expert_parallel_size
         last = len(info.parts) - 1
         self.bytes_of: dict = {}  # unit name -> gathered bytes
         self.unit_of: dict = {}  # part -> unit name
         for p in parts:
             if info.parts[p].kind == "block":
                 self.unit_of[p] = f"block{p}"
-                self.bytes_of[f"block{p}"] = 4.0 * part_elems(info, p, tp)
+                # under expert parallelism the block's experts are a unit of their own, gathered with it
+                self.bytes_of[f"block{p}"] = 4.0 * part_elems(info, p, tp, ep)
         ends = [p for p in parts if info.parts[p].kind != "block"]
         if stage >= 3:
             first, lastp = info.parts[0], info.parts[last]
@@ -157,16 +183,16 @@ def _storage_bytes(trace: Trace, sid: int, layout: Layout) -> float:
 def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, rank: int,
                  parts: list[int]) -> RankMemory:
     tp, dp, pp = layout.tensor_parallel_size, layout.data_parallel_size, layout.pipeline_parallel_size
-    zero = layout.zero_stage
+    zero, ep = layout.zero_stage, layout.expert_parallel_size
     m = layout.num_accumulation_steps
     last = len(info.parts) - 1
-    elems = sum(part_elems(info, p, tp) for p in parts)
+    elems = sum(part_elems(info, p, tp, ep) for p in parts)
     if info.tied and pp > 1 and last in parts and 0 not in parts:
         elems += info.tied_elems / tp  # the last stage's own copy of the tied embedding
-    shard = dp if zero else 1
+    experts = expert_elems(info, parts, ep)
     static = {k: 0.0 for k in KEYS}
-    static["parameters"] = 4.0 * elems / shard
-    static["optimizer"] = 8.0 * elems / shard
+    static["parameters"] = owned(4.0, elems, experts, layout)
+    static["optimizer"] = owned(8.0, elems, experts, layout)
     if zero >= 3 and info.tied and pp == 1:
         static["parameters"] += 4.0 * info.tied_elems / tp / dp  # the output unit's sharded copy
         static["optimizer"] += 0.0  # the copy is left out of the optimizer (TiedCopies)
@@ -200,7 +226,7 @@ def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, ra
                                sync=(pp == 1), cast_cache=cast_cache, inflight=inflight, recv=recv))
     # the optimizer step: model states with the (reduced) gradients
     opt = dict(static)
-    opt["gradients"] = 4.0 * elems / shard
+    opt["gradients"] = owned(4.0, elems, experts, layout)
     if zero and pp == 1:
         opt["communication"] = 0.0
     results.append((sum(opt.values()), opt, "optimizer step"))
@@ -239,8 +265,8 @@ _COUNTERS = ("saved", "temp", "wcast", "grad")
 
 def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool, accumulated: bool) -> tuple:
     """One traced part's events in one phase, summarised for the replay: (net change per counter, the largest
-    excursion of the total above its starting value, the counters at that moment, the part's own gradients).
-    Computed once per traced part, phase and the layout's sizes."""
+    excursion of the total above its starting value, the counters at that moment, the part's own gradients, of
+    those the MoE experts'). Computed once per traced part, phase and the layout's sizes."""
     key = (q, phase, layout.micro_batch_size, layout.tensor_parallel_size, layout.sequence_parallel, cast_cache,
            accumulated)
     cache = trace._segments
@@ -249,6 +275,7 @@ def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool,
     storages = trace.storages
     run = dict.fromkeys(_COUNTERS, 0.0)
     best, at = 0.0, dict(run)
+    expert_grads = 0.0
     for sign, sid in trace._by_part.get((q, phase), ()):
         s = storages[sid]
         n = _storage_bytes(trace, sid, layout)
@@ -265,6 +292,8 @@ def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool,
                         at["temp"] += n
                 continue
             k = "grad"
+            if s.expert:
+                expert_grads += sign * n
         else:
             k = "saved" if s.saved else "temp"
         run[k] += sign * n
@@ -272,7 +301,7 @@ def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool,
             value = sum(run.values())
             if value > best:
                 best, at = value, dict(run)
-    cache[key] = (dict(run), best, at, run["grad"])
+    cache[key] = (dict(run), best, at, run["grad"], expert_grads)
     return cache[key]
 
 
@@ -285,7 +314,7 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
     base = dict(static)
     base["pipeline_in_flight"] += inflight
     last = len(info.parts) - 1
-    elems_total = sum(part_elems(info, p, tp) for p in parts)
+    elems_total = sum(part_elems(info, p, tp, layout.expert_parallel_size) for p in parts)
     if info.tied and pp > 1 and last in parts and 0 not in parts:
         elems_total += info.tied_elems / tp
     if accumulated:
@@ -328,6 +357,7 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
         c["comm"] -= units.bytes_of.get(unit, 0.0)
 
     part_grads: dict = {}
+    expert_grads: dict = {}  # of part_grads, the MoE experts'
     for phase in ("fwd", "bwd"):
         order = parts if phase == "fwd" else list(reversed(parts))
         if phase == "fwd" and units is not None and "root" in units.bytes_of:
@@ -343,7 +373,7 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
                     nxt = order[idx + 1] if idx + 1 < len(order) else None
                     if nxt is not None and info.parts[nxt].kind == "block":
                         gather(units.unit_of[nxt])  # FSDP2's backward prefetch of the next unit
-            net, excursion, at, grads = _segment(trace, q, phase, layout, cast_cache, accumulated)
+            net, excursion, at, grads, experts = _segment(trace, q, phase, layout, cast_cache, accumulated)
             if not saved_only and excursion > 0:
                 value = base_total + sum(c.values()) + excursion
                 if value > best[0]:
@@ -354,21 +384,25 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
                 c[k] += v
             if grads:
                 part_grads[p] = part_grads.get(p, 0.0) + grads
+            if experts:
+                expert_grads[p] = expert_grads.get(p, 0.0) + experts
             if phase == "fwd" and saved_only and idx == len(order) - 1:
                 return c["saved"]
             if phase == "fwd" and unit is not None and zero >= 3 and (
                     unit == "embeddings" or info.parts[p].kind == "block"):
                 release(unit)
             if phase == "bwd":
-                _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync, accumulated, parts)
+                _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync, accumulated, parts,
+                                 expert_grads)
     if saved_only:
         return c["saved"]
     return best[0], best[1], best[2]
 
 
-def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync, accumulated, parts) -> None:
+def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync, accumulated, parts,
+                     expert_grads) -> None:
     """What data parallelism does when part ``p``'s backward ends (see the module docstring)."""
-    dp, zero = layout.data_parallel_size, layout.zero_stage
+    dp, zero, ep = layout.data_parallel_size, layout.zero_stage, layout.expert_parallel_size
     if units is None:
         if dp > 1 and sync:
             # replicate (DDP on FSDP2): the unit's gradient is copied into an all-reduce buffer, and the previous
@@ -393,7 +427,7 @@ def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync
         members = [p]
     if sync and accumulated:
         # the last micro-batch: the accumulated full-size gradient goes through the reduce-scatter buffer
-        full = sum(4.0 * part_elems(info, q, layout.tensor_parallel_size) for q in members)
+        full = sum(4.0 * part_elems(info, q, layout.tensor_parallel_size, ep) for q in members)
         check(f"end of the backward of {info.parts[p].name} (reduce-scatter)", full)
     if sync and not accumulated:
         grads = sum(max(part_grads.get(q, 0.0), 0.0) for q in members)
@@ -401,8 +435,11 @@ def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync
         check(f"end of the backward of {info.parts[p].name} (reduce-scatter)", grads)
         for q in members:
             g = max(part_grads.get(q, 0.0), 0.0)
-            c["grad"] -= g - g / dp
-            part_grads[q] = g / dp
+            e = min(max(expert_grads.get(q, 0.0), 0.0), g)
+            # the experts' shard is 1 / (dp / ep) of their gradients (over expert_data), the rest's 1 / dp
+            kept = g / dp if not e or ep == 1 else (g - e) / dp + e / (dp // ep)
+            c["grad"] -= g - kept
+            part_grads[q] = kept
     if unit != "embeddings" or zero < 3:
         release(unit)
     if zero >= 3 and unit == "last":

@@ -1,4 +1,9 @@
-"""The dispatch mode and module hooks that record a traced training step (see :mod:`dufu.plan.trace`)."""
+"""The dispatch mode and module hooks that record a traced training step (see :mod:`dufu.plan.trace`).
+
+Mixture-of-experts layers ask their data how many tokens each expert gets; the dispatch mode answers with the
+planner's balanced routing (:mod:`dufu.plan.experts`), and the hooks on experts modules record the bytes an
+expert-parallel exchange moves (and, under expert parallelism, stand in for the exchange); both are
+:class:`dufu.plan.experts.MoERecording`'s."""
 
 from __future__ import annotations
 
@@ -7,14 +12,15 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dufu.plan.experts import MoERecording
 from dufu.plan.shapes import (DTYPE_NAMES, Attention, Gemm, PartOps, _ATTENTION, _GEMMS, _HEAVY, _MATERIALIZING,
                               _SKIP)
 
 
-class Recorder:
+class Recorder(MoERecording):
     """The dispatch mode (and module hooks) that record a traced step; see the module docstring."""
 
-    def __init__(self, model: nn.Module, mode):
+    def __init__(self, model: nn.Module, mode, ep: int = 1):
         from dufu.parallel.parallelize_utils import transformer_blocks
 
         self.model, self.fake_mode = model, mode
@@ -37,6 +43,12 @@ class Recorder:
         self.handles: list = []
         self.param_storage: dict[int, str] = {}
         self.logits_part = -1
+        # mixture of experts: the expert-parallel size traced, the values of the token counts the trace made up
+        # (storage -> counts), the MoE layers running, and every experts call (see dufu.plan.experts)
+        self.ep = ep
+        self.values: dict[int, list] = {}
+        self.moe_stack: list = []
+        self.experts_calls: list = []
         from dufu.parallel.tensor_parallel import tensor_parallel_plan
 
         head = getattr(model, "lm_head", None)
@@ -63,10 +75,18 @@ class Recorder:
             self.handles.append(block.register_forward_hook(self._leave_block(1 + i)))
             self.handles.append(block.register_full_backward_pre_hook(self._enter_part_bwd(1 + i)))
             self.handles.append(block.register_full_backward_hook(self._leave_part_bwd(1 + i)))
+        from dufu.layers.moe import MoE
+
         for module in self.model.modules():
             if isinstance(module, (Linear, VocabEmbedding)) or getattr(module, "tensor_parallel_input", None):
                 self.handles.append(module.register_forward_pre_hook(self._push, with_kwargs=True))
                 self.handles.append(module.register_forward_hook(self._pop, with_kwargs=True))
+            if isinstance(module, MoE):
+                self.handles.append(module.register_forward_pre_hook(self._enter_moe))
+                self.handles.append(module.register_forward_hook(self._leave_moe))
+            if getattr(module, "expert_parallel", False):
+                self.handles.append(module.register_forward_pre_hook(self._experts_in))
+                self.handles.append(module.register_forward_hook(self._experts_out))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -147,6 +167,9 @@ class Recorder:
 
         class _Mode(TorchDispatchMode):
             def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = rec._data_dependent(func, args, kwargs or {})
+                if out is not None:
+                    return out
                 out = func(*args, **(kwargs or {}))
                 rec.record(func, args, kwargs or {}, out)
                 return out
@@ -171,6 +194,7 @@ class Recorder:
         dead = [c for c, (s, _) in self.live.items() if use_count(s._cdata) <= 1]
         for c in dead:
             _, sid = self.live.pop(c)
+            self.values.pop(c, None)
             self.events.append((self.part, self.phase, -1, sid))
 
     def _part_ops(self) -> PartOps:
@@ -321,9 +345,14 @@ class Recorder:
     def end_backward(self) -> None:
         self._poll_frees()
         grads = {p.grad.untyped_storage()._cdata for p in self.model.parameters() if p.grad is not None}
+        from dufu.plan.experts import expert_modules
+
+        expert_grads = {p.grad.untyped_storage()._cdata for m in expert_modules(self.model) for p in m.parameters()
+                        if p.grad is not None}
         for c, (s, sid) in self.live.items():
             if c in grads:
                 self.storages[sid]["category"] = "grad"
+                self.storages[sid]["expert"] = c in expert_grads
         self.live.clear()
         born, died = {}, {}
         for part, phase, sign, sid in self.events:

@@ -9,7 +9,8 @@ from dufu.plan.search import Estimate, Plan
 GiB = 1024**3
 TIME_NAMES = {
     "compute": "compute", "dp_copies": "FSDP buffer copies",
-    "tp_comm": "tensor-parallel communication", "dp_comm": "data-parallel communication",
+    "tp_comm": "tensor-parallel communication", "ep_comm": "expert-parallel all-to-all",
+    "dp_comm": "data-parallel communication",
     "dp_comm_exposed": "data-parallel communication not hidden", "bubble": "pipeline bubble",
     "p2p": "pipeline point-to-point", "optimizer": "optimizer step",
 }
@@ -37,6 +38,8 @@ def layout_text(layout: dict) -> str:
     text = (f"dp {layout['data_parallel_size']} x tp {layout['tensor_parallel_size']} x pp "
             f"{layout['pipeline_parallel_size']}")
     extras = []
+    if layout.get("expert_parallel_size", 1) > 1:
+        extras.append(f"experts over ep {layout['expert_parallel_size']}")
     if layout.get("sequence_parallel"):
         extras.append("sequence parallel")
     if layout["pipeline_parallel_size"] > 1:
@@ -151,7 +154,8 @@ def plot_memory(plan: Plan, path: str, top: int = 8) -> str:
     for e in shown:
         lay = e.layout
         labels.append(f"dp{lay['data_parallel_size']} tp{lay['tensor_parallel_size']} pp{lay['pipeline_parallel_size']}"
-                      f"\nmb{lay['micro_batch_size']}" + (f" z{lay['zero_stage']}" if lay["zero_stage"] else "")
+                      + (f" ep{lay['expert_parallel_size']}" if lay.get("expert_parallel_size", 1) > 1 else "")
+                      + f"\nmb{lay['micro_batch_size']}" + (f" z{lay['zero_stage']}" if lay["zero_stage"] else "")
                       + (" ckpt" if lay["activation_checkpoint"] else ""))
     ax.set_xticks(x)
     ax.set_xticklabels(labels, fontsize=8)

@@ -6,12 +6,16 @@ with the same message: heads, hidden size, vocabulary, layers per stage, micro-b
 rest and ranks those that fit by predicted throughput (tokens, or samples, per second: layouts that differ in
 global batch size are compared fairly). Micro-batch sizes are tried from small to large; once one does not fit,
 the larger ones of that layout are not estimated.
+
+For a model with mixture-of-experts layers, ``train.dist.auto=True`` also searches the expert-parallel size
+(``train.dist.expert_parallel_size``, :data:`dufu.plan.candidates.EP_KEY`): every size that divides the
+data-parallel size and every layer's number of experts. A dense model's layouts have none. The candidates are
+enumerated by :mod:`dufu.plan.candidates`.
 """
 
 from __future__ import annotations
 
 import copy
-import itertools
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Optional
@@ -19,7 +23,8 @@ from typing import Optional
 from dufu.errors import ConfigError, DufuError, LayoutError
 from dufu.plan.hardware import Hardware, get_hardware
 from dufu.config.overrides import AUTO_KEYS, is_auto
-from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup, setup_from_config
+from dufu.plan.candidates import EP_KEY, fixed_int, pipeline_counts_differ, structures, with_micro_batches
+from dufu.plan.layout import Layout, Setup, setup_from_config
 from dufu.plan.memory import KEYS, estimate_memory
 from dufu.plan.shapes import ModelInfo, build_model_info
 from dufu.plan.trace import get_trace
@@ -121,28 +126,27 @@ def auto_fields(cfg) -> list[str]:
     """The searchable keys whose value is ``auto``. ``train.dist.auto=True`` makes all of them auto, the micro-batch
     size only when ``train.global_batch_size`` fixes the batch it divides."""
     if bool(cfg.train.dist.get("auto", False)) is True:
-        keys = list(AUTO_KEYS)
+        keys = [k for k in AUTO_KEYS if k != EP_KEY]  # the expert-parallel size: only for MoE (_with_experts)
         if cfg.train.get("global_batch_size") is None and not is_auto(cfg.train.train_micro_batch_size):
             keys.remove("train.train_micro_batch_size")
-        return keys
-    return [k for k in AUTO_KEYS if is_auto(_get(cfg, k))]
+        return keys + ([EP_KEY] if is_auto(_get(cfg, EP_KEY)) else [])
+    return [k for k in dict.fromkeys(AUTO_KEYS + (EP_KEY,)) if is_auto(_get(cfg, k))]
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _fixed_int(value, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} = {value!r}: use a positive integer or auto.")
-    return value
+def _with_experts(cfg, autos: list[str], info: ModelInfo) -> list[str]:
+    """``autos`` plus the expert-parallel size when ``train.dist.auto=True`` leaves it to the search of a MoE
+    model."""
+    if info.expert_counts and EP_KEY not in autos and bool(cfg.train.dist.get("auto", False)) is True:
+        return autos + [EP_KEY]
+    return autos
 
 
 def _dist_cfg(cfg, layout: Layout) -> dict:
     d = dict(cfg.train.dist)
     d.update(data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tensor_parallel_size,
              pipeline_parallel_size=layout.pipeline_parallel_size, sequence_parallel=layout.sequence_parallel,
-             virtual_pipeline_size=layout.virtual_pipeline_size, pipeline_schedule=layout.pipeline_schedule)
+             virtual_pipeline_size=layout.virtual_pipeline_size, pipeline_schedule=layout.pipeline_schedule,
+             expert_parallel_size=layout.expert_parallel_size)
     d.pop("auto", None)
     return d
 
@@ -153,7 +157,7 @@ def check_layout(info: ModelInfo, cfg, layout: Layout) -> None:
     from dufu.parallel.parallel_dims import ParallelDims
 
     dims = ParallelDims(layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size,
-                        layout.world_size)
+                        layout.world_size, layout.expert_parallel_size)
     zero_cfg = {"enabled": bool(layout.zero_stage), "stage": layout.zero_stage or 1}
     stage_ids = validate_layout(dims, info.model, _dist_cfg(cfg, layout), zero_cfg, info.seq_length,
                                 layout.num_accumulation_steps)
@@ -168,7 +172,7 @@ def layout_from_config(cfg, world_size: int) -> Layout:
 
     t = cfg.train
     dims = ParallelDims.from_config(t.dist, world_size)
-    micro = _fixed_int(t.train_micro_batch_size, "train.train_micro_batch_size")
+    micro = fixed_int(t.train_micro_batch_size, "train.train_micro_batch_size")
     micro, global_, accum = resolve_batch_sizes(micro, t.get("global_batch_size"), t.get("num_accumulation_steps"),
                                                 dims.data_parallel_size)
     zero = t.zero_optimization
@@ -176,7 +180,8 @@ def layout_from_config(cfg, world_size: int) -> Layout:
     return Layout(dims.data_parallel_size, dims.tensor_parallel_size, dims.pipeline_parallel_size,
                   bool(t.dist.get("sequence_parallel", False)), int(t.dist.get("virtual_pipeline_size", 1) or 1),
                   t.dist.get("pipeline_schedule", "1f1b"), micro, accum, global_,
-                  int(zero.stage) if zero.enabled else 0, ckpt.get("mode", "selective") if ckpt.enabled else False)
+                  int(zero.stage) if zero.enabled else 0, ckpt.get("mode", "selective") if ckpt.enabled else False,
+                  dims.expert_parallel_size)
 
 
 def _memory_limit(hw: Hardware, world_size: int) -> int:
@@ -190,7 +195,8 @@ def _memory_limit(hw: Hardware, world_size: int) -> int:
 
 def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_size: int) -> Estimate:
     """The estimate of a layout already known to be valid."""
-    trace = get_trace(info, setup.dtype, layout.activation_checkpoint or None, "cpu" if hw.synchronous else "cuda")
+    trace = get_trace(info, setup.dtype, layout.activation_checkpoint or None, "cpu" if hw.synchronous else "cuda",
+                      layout.expert_parallel_size)
     worst, ranks = estimate_memory(info, trace, layout, setup)
     times, details = estimate_time(info, trace, layout, setup, hw, world_size)
     step = details["step_time_s"]
@@ -218,6 +224,9 @@ def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_
     )
     if layout.zero_stage == 1:
         est.notes.append("ZeRO stage 1 runs with stage-2 sharding in dufu (same communication, less memory)")
+    if info.expert_counts:
+        est.notes.append("mixture of experts: FLOPs are those of the top_k experts a token uses, memory holds every "
+                         "expert (1 / ep of them per rank), the routing is taken as balanced")
     return est
 
 
@@ -229,7 +238,7 @@ def _layout_dict(layout: Layout) -> dict:
         "virtual_pipeline_size": d["virtual_pipeline_size"], "pipeline_schedule": d["pipeline_schedule"],
         "micro_batch_size": d["micro_batch_size"], "num_accumulation_steps": d["num_accumulation_steps"],
         "global_batch_size": d["global_batch_size"], "zero_stage": d["zero_stage"],
-        "activation_checkpoint": d["activation_checkpoint"],
+        "activation_checkpoint": d["activation_checkpoint"], "expert_parallel_size": d["expert_parallel_size"],
     }
 
 
@@ -258,7 +267,7 @@ def search(cfg, world_size: int, hardware="cpu", hardware_files=None, max_micro_
     hw = get_hardware(hardware, hardware_files)
     info = model_info(cfg)
     setup = setup_from_config(cfg, hw)
-    autos = auto_fields(cfg)
+    autos = _with_experts(cfg, auto_fields(cfg), info)
     if not autos:
         layout = layout_from_config(cfg, world_size)
         check_layout(info, cfg, layout)
@@ -267,15 +276,15 @@ def search(cfg, world_size: int, hardware="cpu", hardware_files=None, max_micro_
             est.reason = _miss(est)
         return Plan([est], auto=[])
     rejected, estimates, notes = [], [], []
-    for structure in _structures(cfg, world_size, autos, info):
+    for structure in structures(cfg, world_size, autos, info):
         checked = False
-        for mb_layout in _with_micro_batches(cfg, structure, autos, setup, max_micro_batch, rejected):
+        for mb_layout in with_micro_batches(cfg, structure, autos, setup, max_micro_batch, rejected):
             try:
                 if not checked:
                     # everything but the micro-batch count once per structure (heads, vocabulary, layers ...)
                     check_layout(info, cfg, replace(mb_layout, num_accumulation_steps=64 * mb_layout.pipeline_parallel_size))
                     checked = True
-                if _pipeline_counts_differ(mb_layout):
+                if pipeline_counts_differ(mb_layout):
                     check_layout(info, cfg, mb_layout)
             except DufuError as e:
                 rejected.append((_layout_dict(mb_layout), " ".join(str(e).split())))
@@ -305,7 +314,7 @@ def search(cfg, world_size: int, hardware="cpu", hardware_files=None, max_micro_
 
 
 _TIME_WORDS = {"compute": "compute", "dp_copies": "FSDP buffer copies",
-               "tp_comm": "tensor-parallel communication",
+               "tp_comm": "tensor-parallel communication", "ep_comm": "expert-parallel all-to-all",
                "dp_comm_exposed": "data-parallel communication not hidden", "bubble": "pipeline bubble",
                "p2p": "pipeline point-to-point", "optimizer": "optimizer step"}
 
@@ -325,109 +334,10 @@ def explain(worse: Estimate, best: Estimate) -> str:
                      for _, k, words in diffs[:2])
 
 
-def _pipeline_counts_differ(layout: Layout) -> bool:
-    """Whether the micro-batch count alone may make ``validate_layout`` refuse the layout."""
-    pp, m = layout.pipeline_parallel_size, layout.num_accumulation_steps
-    if pp == 1:
-        return False
-    return m < pp or (layout.pipeline_schedule in MULTI_STAGE_SCHEDULES and m % pp != 0)
-
-
 def _miss(e: Estimate) -> str:
     over = e.memory_per_gpu_bytes - e.memory_limit_bytes
     return (f"does not fit: {e.memory_per_gpu_bytes / GiB:,.1f} GiB per device, {over / GiB:,.1f} GiB over the "
             f"{e.memory_limit_bytes / GiB:,.1f} GiB available")
-
-
-def _structures(cfg, world_size: int, autos: list[str], info: ModelInfo):
-    """Candidate (dp, tp, pp, sp, v, schedule, zero, checkpoint) tuples, micro-batch still open."""
-    t = cfg.train
-    d = t.dist
-
-    def options(key: str, fixed, candidates):
-        return candidates if key in autos else [fixed]
-
-    tps = options("train.dist.tensor_parallel_size", d.get("tensor_parallel_size", 1), _divisors(world_size))
-    pps = options("train.dist.pipeline_parallel_size", d.get("pipeline_parallel_size", 1),
-                  [p for p in _divisors(world_size) if p <= max(info.num_layers, 1)])
-    dps = options("train.dist.data_parallel_size", d.get("data_parallel_size", 1), [None])
-    schedule = d.get("pipeline_schedule", "1f1b")
-    zero = t.zero_optimization
-    zeros = options("train.zero_optimization.stage", int(zero.stage) if zero.enabled else 0, [0, 2, 3])
-    mode = t.activation_checkpoint.get("mode", "selective")
-    ckpts = options("train.activation_checkpoint.enabled", mode if t.activation_checkpoint.enabled is True else False,
-                    [False, mode])
-    for tp, pp, dp_value in itertools.product(tps, pps, dps):
-        if any(is_auto(x) for x in (tp, pp)):
-            continue
-        tp, pp = _fixed_int(tp, "train.dist.tensor_parallel_size"), _fixed_int(pp, "train.dist.pipeline_parallel_size")
-        if tp == -1 or pp == -1 or dp_value in (None, -1) or is_auto(dp_value):
-            known = tp * pp if tp > 0 and pp > 0 else None
-            if known is None:
-                # one of tp/pp inferred (-1): the data-parallel size must be given
-                dp = _fixed_int(dp_value, "train.dist.data_parallel_size")
-                rest = world_size // dp if world_size % dp == 0 else 0
-                if tp == -1:
-                    tp = rest // pp if pp > 0 and rest % pp == 0 else 0
-                else:
-                    pp = rest // tp if tp > 0 and rest % tp == 0 else 0
-                if not tp or not pp:
-                    continue
-            elif world_size % known:
-                continue
-            else:
-                dp = world_size // known
-        else:
-            dp = _fixed_int(dp_value, "train.dist.data_parallel_size")
-            if dp * tp * pp != world_size:
-                continue
-        sps = options("train.dist.sequence_parallel", bool(d.get("sequence_parallel", False)),
-                      [False, True] if tp > 1 else [False])
-        if "train.dist.virtual_pipeline_size" in autos:
-            vs = [1] + ([v for v in range(2, 9) if info.num_layers % (pp * v) == 0] if pp > 1 else [])
-        else:
-            vs = [int(d.get("virtual_pipeline_size", 1) or 1)]
-        for sp, v, z, ck in itertools.product(sps, vs, zeros if dp > 1 else [0], ckpts):
-            if is_auto(v):
-                continue
-            sched = schedule
-            if "train.dist.virtual_pipeline_size" in autos:
-                if v > 1 and schedule not in MULTI_STAGE_SCHEDULES:
-                    sched = "interleaved_1f1b"
-                elif v == 1 and schedule in MULTI_STAGE_SCHEDULES:
-                    sched = "1f1b"
-            yield dict(dp=dp, tp=tp, pp=pp, sp=bool(sp), v=int(v), schedule=sched, zero=int(z), ckpt=ck)
-
-
-def _with_micro_batches(cfg, s: dict, autos: list[str], setup: Setup, max_micro: int, rejected: list):
-    """The structure's layouts with each micro-batch size to try, small to large."""
-    from dufu.engine.validate import resolve_batch_sizes
-
-    t = cfg.train
-    dp = s["dp"]
-    global_ = setup.global_batch_size
-    if "train.train_micro_batch_size" in autos:
-        if global_ is None:
-            raise ConfigError(
-                "train.train_micro_batch_size=auto needs a fixed global batch to divide: set "
-                "train.global_batch_size (e.g. train.global_batch_size=512), so every layout trains the same batch."
-            )
-        if global_ % dp:
-            rejected.append(({"data_parallel_size": dp, "tensor_parallel_size": s["tp"],
-                              "pipeline_parallel_size": s["pp"]},
-                             f"global batch {global_} is not divisible by data_parallel_size {dp}"))
-            return
-        micros = [mb for mb in _divisors(global_ // dp) if mb <= max_micro]
-    else:
-        micros = [_fixed_int(t.train_micro_batch_size, "train.train_micro_batch_size")]
-    for mb in micros:
-        try:
-            micro, g, accum = resolve_batch_sizes(mb, global_, setup.num_accumulation_steps
-                                                  if global_ is None else None, dp)
-        except DufuError as e:
-            rejected.append(({"data_parallel_size": dp, "micro_batch_size": mb}, " ".join(str(e).split())))
-            continue
-        yield Layout(dp, s["tp"], s["pp"], s["sp"], s["v"], s["schedule"], micro, accum, g, s["zero"], s["ckpt"])
 
 
 def apply_layout(cfg, layout_dict: dict):
@@ -439,6 +349,8 @@ def apply_layout(cfg, layout_dict: dict):
         cfg.train.dist["auto"] = False
     layout = Layout(**layout_dict)
     overrides = layout.overrides()
+    if layout.expert_parallel_size == 1 and "expert_parallel_size" in cfg.train.dist:
+        overrides.append("train.dist.expert_parallel_size=1")
     if cfg.train.get("global_batch_size") is None:
         overrides.append(f"train.num_accumulation_steps={layout.num_accumulation_steps}")
     return LazyConfig.apply_overrides(cfg, overrides)

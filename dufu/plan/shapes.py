@@ -5,8 +5,10 @@ The planner never works from a formula of a family ("12 h^2 per layer"): it buil
 device, as :func:`dufu.engine.preflight.plan_run` does (no weights, ~0.5 s for a 145B GPT), and reads its
 parameters per part, in pipeline order: ``first`` (embeddings), every transformer block, ``last`` (final norm,
 head), with how many of them tensor parallelism splits (:func:`dufu.parallel.tensor_parallel.tensor_parallel_plan`,
-the plan dufu applies) and which form FSDP units of their own under ZeRO-3
-(:func:`dufu.parallel.data_parallel.end_units`).
+the plan dufu applies), which form FSDP units of their own under ZeRO-3
+(:func:`dufu.parallel.data_parallel.end_units`) and which are the experts of mixture-of-experts layers (every
+expert is counted: a rank holds all of them, or ``E / ep`` under expert parallelism; only the FLOPs are those of
+the ``top_k`` experts a token uses, see :mod:`dufu.plan.experts`).
 """
 
 from __future__ import annotations
@@ -62,6 +64,7 @@ class Part:
     last_unit: int = 0  # elements in FSDP's output-end unit under ZeRO-3 (final norm + head)
     last_unit_tp_split: int = 0
     trace_index: int = 0  # the traced part whose ops and memory this part repeats
+    experts: int = 0  # of ``params``, elements of MoE experts (split over the expert-parallel ranks, not by TP)
 
 
 @dataclass
@@ -135,6 +138,19 @@ class Storage:
     category: str  # "act" | "wcast" (autocast's weight copy) | "grad" (ends as a parameter's .grad)
     saved: bool = False  # alive at the end of forward: kept for backward
     gathered: bool = False  # a projection's input: under SP the gathered (whole-sequence) copy is what is kept
+    expert: bool = False  # a gradient of MoE experts' weights (ZeRO shards it over dp / ep ranks, not dp)
+
+
+@dataclass
+class ExpertsCall:
+    """One call of a MoE layer's experts module: the bytes of the token copies it takes (those an expert-parallel
+    dispatch sends) and of its outputs (those the combine sends back), each (at micro-batch 1, per extra sample)."""
+
+    part: int
+    in_bytes: tuple[float, float]
+    out_bytes: tuple[float, float]
+    num_experts: int
+    recomputed: bool = False  # runs again in backward (activation checkpointing)
 
 
 @dataclass
@@ -150,6 +166,13 @@ class Trace:
     linears: list  # LinearCall
     boundary: dict  # part index -> bytes of the hidden states it passes on (pipeline p2p), (b=1, per sample)
     logits_part: int = -1
+    experts: list = field(default_factory=list)  # ExpertsCall of every MoE layer's experts
+    expert_parallel_size: int = 1  # the experts of one rank of this many were traced (dufu.plan.experts)
+
+
+def lin(pair, b: int) -> float:
+    """The value at micro-batch ``b`` of a traced size kept as (at micro-batch 1, per extra sample)."""
+    return pair[0] + pair[1] * (b - 1)
 
 
 @dataclass
@@ -162,13 +185,16 @@ class ModelInfo:
     num_params: int
     seq_length: int  # tokens per sample (image models: patches, for the activation sizes only)
     tokens_per_sample: int  # what throughput counts per sample (tokens; 1 for image classifiers)
-    flops_per_token: float  # model FLOPs per trained token, 6N + 12*L*H*T (dufu's MFU convention)
+    # model FLOPs per trained token, 6N + 12*L*H*T (dufu's MFU convention; N counts the top_k / E of MoE experts'
+    # parameters one token uses)
+    flops_per_token: float
     tied: bool  # an output head tied to the input embedding
     tied_elems: int  # elements of that shared table (the last pipeline stage keeps its own copy)
     inputs: object = None  # callable(batch) -> dict of fake inputs
     mapping: list = field(default_factory=list)  # for every part, the traced part it repeats (see shortening)
     reduced: Optional[nn.Module] = None  # the shortened copy that is traced
     traces: dict = field(default_factory=dict)
+    expert_counts: tuple = ()  # num_experts of every MoE layer (empty: a dense model)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -178,6 +204,13 @@ class ModelInfo:
     @property
     def num_layers(self) -> int:
         return len(self.blocks)
+
+    def expert_parallel_sizes(self, dp: int) -> list[int]:
+        """The expert-parallel sizes a layout with ``dp`` data-parallel ranks can take: those dividing ``dp`` and
+        every MoE layer's experts ([1] for a dense model)."""
+        if not self.expert_counts:
+            return [1]
+        return [e for e in range(1, dp + 1) if dp % e == 0 and all(n % e == 0 for n in self.expert_counts)]
 
 
 # ------------------------------------------------------------------------------------------------ building
@@ -252,9 +285,12 @@ def build_model_info(cfg) -> ModelInfo:
     num_params = sum(p.params for p in parts)
     tokens_per_sample = 1 if getattr(model, "main_input_name", "") == "pixel_values" else seq
     flops_per_token = model_flops_per_token(model, seq) if tokens_per_sample > 1 else 0.0
+    from dufu.parallel.expert_parallel import expert_modules
+
     info = ModelInfo(model, type(model).__name__, parts, num_params, seq, tokens_per_sample, flops_per_token,
                      tied=tied_elems > 0, tied_elems=tied_elems, inputs=_input_builder(model, seq, target),
-                     mapping=shortening(model)[1])
+                     mapping=shortening(model)[1],
+                     expert_counts=tuple(m.num_experts for _, m in expert_modules(model)))
     return info
 
 
@@ -303,6 +339,9 @@ def _parts(model: nn.Module, blocks: list, end_units) -> tuple[list[Part], int]:
         for pname, p in module.named_parameters(recurse=False):
             if kind in ("ColwiseParallel",) or (kind == "RowwiseParallel" and pname == "weight"):
                 split.add(id(p))
+    from dufu.parallel.expert_parallel import expert_modules
+
+    experts = {id(p) for _, m in expert_modules(model) for p in m.parameters()}
     layout = getattr(model, "pipeline_layout", None) or {}
     block_names = [n for n, _ in blocks]
     owner_block = {}
@@ -340,6 +379,8 @@ def _parts(model: nn.Module, blocks: list, end_units) -> tuple[list[Part], int]:
         part.params += p.numel()
         if id(p) in split:
             part.tp_split += p.numel()
+        if id(p) in experts:
+            part.experts += p.numel()
     embeddings, last = end_units(model)
     parts[0].embedding_unit = sum(p.numel() for m in embeddings for p in m.parameters())
     tied_elems = 0

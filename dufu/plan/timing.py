@@ -15,17 +15,21 @@ Per op of the traced step (:mod:`dufu.plan.shapes`), on the rank's share of the 
   parallelism). On a GPU the host runs ahead and only the larger of host and device time counts; on a CPU both
   add up.
 
-Communication (ring algorithms, Thakur et al. 2005; NCCL's bus-bandwidth convention): an all-reduce of S bytes
-over n ranks moves 2 (n-1)/n S per rank, an all-gather or reduce-scatter (n-1)/n S, each step paying a latency.
-A group inside one node runs at NVLink bandwidth, one across nodes at min(NVLink, k x the per-GPU network
-bandwidth) for k members per node (NCCL drives every node's NICs in parallel).
+Communication (:mod:`dufu.plan.comm`; ring algorithms, Thakur et al. 2005; NCCL's bus-bandwidth convention): an
+all-reduce of S bytes over n ranks moves 2 (n-1)/n S per rank, an all-gather or reduce-scatter (n-1)/n S, each step
+paying a latency. A group inside one node runs at NVLink bandwidth, one across nodes at min(NVLink, k x the per-GPU
+network bandwidth) for k members per node (NCCL drives every node's NICs in parallel).
 
 * tensor parallelism: the collectives :class:`dufu.plan.shapes.LinearCall` lists, on the critical path;
+* expert parallelism (:func:`dufu.plan.comm.ep_comm`): every MoE layer's token exchange, all-to-alls over the
+  ``ep`` ranks of an expert group, on the critical path (the experts wait for their tokens);
 * data parallelism: DDP all-reduces the fp32 gradients once per step; ZeRO gathers each FSDP unit's fp32
   parameters (stages 1-2 once per micro-batch, stage 3 in forward and again in backward) and reduce-scatters the
   gradients once per step (on gloo as an in-place all-reduce, :class:`dufu.parallel.data_parallel.
   InPlaceReduceScatter`). On GPUs these overlap the computation (``overlap``; the last unit's reduction cannot);
-  under pipeline parallelism torch reduces after the last micro-batch, so nothing hides it;
+  under pipeline parallelism torch reduces after the last micro-batch, so nothing hides it. Under expert
+  parallelism the experts' ``1 / ep`` share is reduced (and gathered) over the ``dp / ep`` ranks of
+  ``expert_data``, everything else over ``dp``;
 * pipeline parallelism: each micro-batch sends its activations forward and their gradients back at every stage
   boundary; 1F1B and GPipe take (m + pp - 1) slots of the slowest stage's forward + backward, interleaved 1F1B
   with v chunks m + (pp - 1) / v (Narayanan et al. 2021, eq. 1 and 2).
@@ -43,17 +47,14 @@ from __future__ import annotations
 
 import os
 
+from dufu.plan.comm import collective, data_parallel_groups, ep_comm, group_link, tp_comm
 from dufu.plan.hardware import Hardware
 from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
-from dufu.plan.memory import part_elems, rank_parts
-from dufu.plan.shapes import ModelInfo, Trace
+from dufu.plan.memory import expert_elems, owned, part_elems, rank_parts
+from dufu.plan.shapes import ModelInfo, Trace, lin
 
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
-
-
-def lin(pair, b: int) -> float:
-    return pair[0] + pair[1] * (b - 1)
 
 
 class Pricer:
@@ -189,25 +190,6 @@ def calibration_factor(hw: Hardware, threads: int) -> float:
     return _CALIBRATION[key]
 
 
-def collective(kind: str, nbytes: float, n: int, bandwidth: float, latency: float) -> float:
-    """Seconds of one ring collective of ``nbytes`` (the full tensor) over ``n`` ranks."""
-    if n <= 1 or nbytes <= 0:
-        return 0.0
-    if kind == "all_reduce":
-        return 2.0 * (n - 1) / n * nbytes / bandwidth + 2 * (n - 1) * latency
-    return (n - 1) / n * nbytes / bandwidth + (n - 1) * latency
-
-
-def group_link(hw: Hardware, size: int, stride: int) -> tuple[float, float]:
-    """(bandwidth, latency per step) of a group of ``size`` ranks ``stride`` apart (ranks fill nodes in order)."""
-    per_node = hw.devices_per_node
-    if size * stride <= per_node:
-        return hw.intra_node_bandwidth * hw.comm_efficiency, hw.intra_latency_s
-    members_per_node = max(1, per_node // stride)
-    bw = min(hw.intra_node_bandwidth, hw.inter_node_bandwidth * members_per_node)
-    return bw * hw.comm_efficiency, hw.inter_latency_s
-
-
 def fsdp_copies(nbytes: float, dp: int, zero: int, m: int, gathers: int, pricer: Pricer) -> float:
     """Seconds of FSDP2's own memory traffic in one step for ``nbytes`` of fp32 parameters (the rank's, unsharded):
 
@@ -235,39 +217,6 @@ def fsdp_copies(nbytes: float, dp: int, zero: int, m: int, gathers: int, pricer:
     return 2.0 * copied / pricer.rates["stream"] + pricer.fresh(fresh)
 
 
-def tp_comm(trace: Trace, q: int, layout: Layout, hw: Hardware, share: float) -> tuple[float, float]:
-    """(forward, backward) seconds of tensor-parallel collectives of traced part ``q`` for one micro-batch."""
-    tp = layout.tensor_parallel_size
-    if tp == 1:
-        return 0.0, 0.0
-    bw, lat = group_link(hw, tp, 1)
-    b, sp = layout.micro_batch_size, layout.sequence_parallel
-    fwd = bwd = 0.0
-    for lc in trace.linears:
-        if lc.part != q:
-            continue
-        out, inp, grad = lin(lc.out_bytes, b), lin(lc.in_bytes, b), lin(lc.grad_in_bytes, b)
-        if lc.style in ("row", "vocab"):
-            t = collective("reduce_scatter" if sp else "all_reduce", out, tp, bw, lat)
-            if lc.recomputed:
-                bwd += t
-                continue
-            fwd += t
-            if sp:
-                bwd += collective("all_gather", out, tp, bw, lat)
-        elif lc.style == "col":
-            gather = collective("all_gather", inp, tp, bw, lat) if sp and (lc.gathers_input or lc.head) else 0.0
-            if lc.recomputed:
-                bwd += gather
-                continue
-            fwd += gather
-            if sp and lc.head:
-                bwd += collective("reduce_scatter", grad, tp, bw, lat)
-            else:
-                bwd += collective("all_reduce", grad, tp, bw, lat)
-    return fwd * share, bwd * share
-
-
 def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, hw: Hardware,
                   world_size: int) -> tuple[dict, dict]:
     """(seconds per optimizer step by part, details) for ``layout``; see the module docstring."""
@@ -283,14 +232,16 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         p2p_bw, p2p_lat = hw.intra_node_bandwidth * hw.comm_efficiency, hw.intra_latency_s
     all_parts = rank_parts(info, layout, setup)
     for r, parts in enumerate(all_parts):
-        comp_f = comp_b = comm_f = comm_b = 0.0
+        comp_f = comp_b = comm_f = comm_b = ep_f = ep_b = 0.0
         fl = 0.0
         for p in parts:
             q = info.mapping[p]
             tf, ff = pricer.part(q, "fwd")
             tb, fb = pricer.part(q, "bwd")
             cf, cb = tp_comm(trace, q, layout, hw, share)
+            ef, eb = ep_comm(trace, q, layout, hw, share)
             comp_f, comp_b, comm_f, comm_b = comp_f + tf, comp_b + tb, comm_f + cf, comm_b + cb
+            ep_f, ep_b = ep_f + ef, ep_b + eb
             fl += ff + fb
         p2p = 0.0
         if pp > 1:
@@ -302,10 +253,12 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
                     p2p += 2 * (nbytes / p2p_bw + p2p_lat)  # activation in, its gradient back
                     sends += 1
             p2p *= share
-        per_rank.append(dict(compute_f=comp_f, compute_b=comp_b, tp_f=comm_f, tp_b=comm_b, p2p=p2p, flops=fl))
+        per_rank.append(dict(compute_f=comp_f, compute_b=comp_b, tp_f=comm_f, tp_b=comm_b, ep_f=ep_f, ep_b=ep_b,
+                             p2p=p2p, flops=fl))
         flops_total = max(flops_total, fl)
     # the slowest pipeline rank sets the pace
-    slot = [r["compute_f"] + r["compute_b"] + r["tp_f"] + r["tp_b"] + r["p2p"] for r in per_rank]
+    slot = [r["compute_f"] + r["compute_b"] + r["tp_f"] + r["tp_b"] + r["ep_f"] + r["ep_b"] + r["p2p"]
+            for r in per_rank]
     worst = max(range(len(per_rank)), key=lambda i: slot[i])
     w = per_rank[worst]
     t_slot = slot[worst]
@@ -317,6 +270,12 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         bubble = 0.0
     compute = m * (w["compute_f"] + w["compute_b"])
     tp_time = m * (w["tp_f"] + w["tp_b"])
+    ep_time = m * (w["ep_f"] + w["ep_b"])
+    if ep_time and setup.clip_grad:
+        # the gradient norm of the experts' DTensors (dufu.parallel.grads): one more all-reduce of a value, over
+        # the ranks their shards span (the expert group; all dp ranks under ZeRO)
+        span = dp if layout.zero_stage else layout.expert_parallel_size
+        ep_time += collective("all_reduce", 4.0, span, *group_link(hw, span, tp)) * share
     # point-to-point: asynchronous sends overlap the steady state's computation (on GPUs); the pipeline's fill
     # and drain wait for them (already in the bubble's slots)
     p2p = m * w["p2p"] * (1.0 - hw.overlap)
@@ -324,25 +283,23 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         # More processes than cores: a stage idling in the bubble gives its core to another rank, so the bubble
         # costs only what the critical path adds beyond all ranks' work shared out over the cores (every time
         # above already counts the sharing): max(slots at full speed, busy time shared) - busy time.
-        busy = compute + tp_time + p2p
+        busy = compute + tp_time + ep_time + p2p
         bubble = max(0.0, (busy + bubble) / share - busy)
     # data parallelism, per step, on the worst-memory rank's parameters (the largest stage)
     dp_comm = dp_exposed = dp_copies = 0.0
     if dp > 1:
-        bw, lat = group_link(hw, dp, tp)
-        parts = all_parts[worst]
-        elems = sum(part_elems(info, p, tp) for p in parts)
-        last = len(info.parts) - 1
-        if info.tied and pp > 1 and last in parts and 0 not in parts:
-            elems += info.tied_elems / tp
-        grad_bytes = 4.0 * elems
-        units = sum(1 for p in parts if info.parts[p].kind == "block") + 1
+        groups = data_parallel_groups(info, all_parts[worst], layout, hw)
+        units = sum(g[4] for g in groups)
         zero = layout.zero_stage
         gloo = hw.synchronous
         reduce_kind = "all_reduce" if (not zero or gloo) else "reduce_scatter"
-        reduce = collective(reduce_kind, grad_bytes, dp, bw, 0.0) + units * 2 * (dp - 1) * lat
-        gather_bw = min(bw, hw.all_gather_bandwidth) if hw.all_gather_bandwidth else bw  # gloo: measured apart
-        gather_one = collective("all_gather", grad_bytes, dp, gather_bw, 0.0) + units * (dp - 1) * lat if zero else 0.0
+        reduce = sum(collective(reduce_kind, nbytes, n, bw, 0.0) + u * 2 * (n - 1) * lat
+                     for nbytes, n, bw, lat, u in groups)
+        gather_one = 0.0
+        if zero:
+            for nbytes, n, bw, lat, u in groups:
+                gather_bw = min(bw, hw.all_gather_bandwidth) if hw.all_gather_bandwidth else bw  # gloo: measured apart
+                gather_one += collective("all_gather", nbytes, n, gather_bw, 0.0) + u * (n - 1) * lat
         if zero and pp > 1:
             gathers_fwd, gathers_bwd = 1, (m if zero >= 3 else 0)
         elif zero:
@@ -353,7 +310,8 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         gather_one *= share
         dp_comm = reduce + gather_one * (gathers_fwd + gathers_bwd)
         # under pipelining torch's stages keep the units unsharded for the whole step: one copy per step
-        dp_copies = fsdp_copies(grad_bytes, dp, zero, 1 if pp > 1 else m, gathers_fwd + gathers_bwd, pricer) * share
+        dp_copies = sum(fsdp_copies(nbytes, n, zero, 1 if pp > 1 else m, gathers_fwd + gathers_bwd, pricer)
+                        for nbytes, n, _, _, _ in groups) * share
         if pp > 1:
             # torch's stages reduce after the last micro-batch; gathers overlap the forward
             hidden = hw.overlap * min(gather_one * (gathers_fwd + gathers_bwd), compute)
@@ -368,16 +326,17 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
             dp_exposed = max(dp_comm - hidden, 0.0)
     # accumulating gradients over micro-batches adds each new one to the kept one (12 bytes per parameter)
     parts = all_parts[worst]
-    elems = sum(part_elems(info, p, tp) for p in parts)
+    ep = layout.expert_parallel_size
+    elems = sum(part_elems(info, p, tp, ep) for p in parts)
     compute += (m - 1) * 12.0 * elems / pricer.rates["elementwise"] * share
     # the optimizer step: fused AdamW and the gradient-norm clip stream the owned state through memory
-    owned = elems / (dp if layout.zero_stage else 1)
-    optimizer = (28.0 * owned / pricer.rates["optimizer"]
-                 + (4.0 * owned / pricer.rates["elementwise"] if setup.clip_grad else 0.0)
+    mine = owned(1.0, elems, expert_elems(info, parts, ep), layout)
+    optimizer = (28.0 * mine / pricer.rates["optimizer"]
+                 + (4.0 * mine / pricer.rates["elementwise"] if setup.clip_grad else 0.0)
                  + 40 * hw.op_overhead_s) * share
     # FSDP2's copies into and out of its communication buffers run on the critical path, between the computation
-    step = compute + dp_copies + tp_time + p2p + bubble + dp_exposed + optimizer
-    times = {"compute": compute, "dp_copies": dp_copies, "tp_comm": tp_time, "dp_comm": dp_comm,
+    step = compute + dp_copies + tp_time + ep_time + p2p + bubble + dp_exposed + optimizer
+    times = {"compute": compute, "dp_copies": dp_copies, "tp_comm": tp_time, "ep_comm": ep_time, "dp_comm": dp_comm,
              "dp_comm_exposed": dp_exposed,
              "bubble": bubble, "p2p": p2p, "optimizer": optimizer}
     details = {"step_time_s": step, "flops_per_rank_step": m * flops_total, "slowest_pipeline_rank": worst,

@@ -21,6 +21,9 @@ Transformer blocks of one stack are identical, so only three blocks of each stac
 the middle that stands for all the middle ones, and the last (a 145B GPT traces in well under a second); stacks whose blocks differ (Swin's stages)
 are traced whole. Two traces, at micro-batch 2 and 3, make every size a linear function of the micro-batch
 (tables such as rotary angles and weight casts do not grow with it).
+
+Mixture-of-experts layers are traced with balanced routing, and under expert parallelism as one rank of ``ep``
+(its ``E / ep`` experts, the token exchange stood in for): :mod:`dufu.plan.experts`.
 """
 from __future__ import annotations
 
@@ -31,7 +34,8 @@ import torch
 from torch import nn
 
 from dufu.plan.recorder import Recorder
-from dufu.plan.shapes import AUTOCAST, Attention, Gemm, LinearCall, ModelInfo, PartOps, Storage, Trace, shortening
+from dufu.plan.shapes import (AUTOCAST, Attention, ExpertsCall, Gemm, LinearCall, ModelInfo, PartOps, Storage, Trace,
+                              shortening)
 
 
 def _shortened(info: ModelInfo) -> nn.Module:
@@ -72,37 +76,41 @@ def _to_fake(model: nn.Module, mode) -> None:
                     module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype)
 
 
-def get_trace(info: ModelInfo, dtype: str, checkpoint: Optional[str], device: str = "cpu") -> Trace:
+def get_trace(info: ModelInfo, dtype: str, checkpoint: Optional[str], device: str = "cpu", ep: int = 1) -> Trace:
     """The traced step of ``info``'s model in ``dtype`` ("fp32", "bf16", "fp16": autocast) with activation
-    checkpointing ``checkpoint`` (None, "selective", "full"), as it runs on ``device`` ("cpu" or "cuda"); computed
-    once per model and variant.
+    checkpointing ``checkpoint`` (None, "selective", "full"), as it runs on ``device`` ("cpu" or "cuda"), on one
+    rank of ``ep`` expert-parallel ranks (a MoE model's; see :mod:`dufu.plan.experts`); computed once per model
+    and variant.
 
     The devices differ in one kernel choice: with attention dropout, torch's CPU attention falls back to the
     unfused math (the (T, T) scores, softmax and dropout mask materialized), while CUDA's fused kernels
     (FlashAttention, memory-efficient attention) apply dropout inside the kernel from a saved RNG state. A
     "cuda" trace therefore runs attention without dropout, which takes the fused CPU kernel of the same shapes."""
-    key = (dtype, checkpoint, device)
+    key = (dtype, checkpoint, device) if ep == 1 else (dtype, checkpoint, device, ep)
     with info.lock:
         if key not in info.traces:
             # micro-batches 2 and 3: at 1 some broadcasts need no reduction (a different op sequence)
-            two = _trace_once(info, dtype, checkpoint, 2, device)
-            three = _trace_once(info, dtype, checkpoint, 3, device)
+            two = _trace_once(info, dtype, checkpoint, 2, device, ep)
+            three = _trace_once(info, dtype, checkpoint, 3, device, ep)
             trace = _combine(two, three)
-            trace.dtype, trace.checkpoint = dtype, checkpoint
+            trace.dtype, trace.checkpoint, trace.expert_parallel_size = dtype, checkpoint, ep
             info.traces[key] = trace
         return info.traces[key]
 
 
-def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: int, device: str) -> "Recorder":
+def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: int, device: str,
+                ep: int = 1) -> "Recorder":
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from dufu.parallel.activation_checkpoint import apply_activation_checkpointing
+    from dufu.plan.experts import localize
 
     reduced = _shortened(info)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _to_fake(reduced, mode)
     if hasattr(reduced, "tie_weights"):
         reduced.tie_weights()
+    with mode:
+        localize(reduced, ep)  # one expert-parallel rank's experts
     if device == "cuda":
         from dufu.layers.attention import Attention
 
@@ -110,9 +118,9 @@ def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: i
             if isinstance(module, Attention):
                 module.attention_dropout = 0.0  # the fused kernels' dropout keeps no (T, T) tensor (see get_trace)
     if checkpoint:
-        apply_activation_checkpointing(reduced, checkpoint)
+        _checkpoint(reduced, checkpoint, ep)
     reduced.train()
-    rec = Recorder(reduced, mode)
+    rec = Recorder(reduced, mode, ep)
     with mode:
         inputs = info.inputs(batch)
         rec.install()
@@ -130,6 +138,25 @@ def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: i
         finally:
             rec.remove()
     return rec
+
+
+def _checkpoint(model: nn.Module, mode: str, ep: int) -> None:
+    """Activation checkpointing as :func:`dufu.parallel.parallelize.parallelize` applies it: under expert
+    parallelism, selective mode checkpoints the blocks with a MoE layer in full (the others stay selective)."""
+    from dufu.parallel.activation_checkpoint import apply_activation_checkpointing
+    from dufu.parallel.parallelize_utils import transformer_blocks
+    from dufu.plan.experts import expert_modules
+
+    if ep <= 1 or mode != "selective":
+        apply_activation_checkpointing(model, mode)
+        return
+    blocks = transformer_blocks(model)
+    moe = [(n, b) for n, b in blocks if expert_modules(b)]
+    rest = [(n, b) for n, b in blocks if not expert_modules(b)]
+    if moe:
+        apply_activation_checkpointing(model, "full", blocks=lambda m: moe)
+    if rest:
+        apply_activation_checkpointing(model, mode, blocks=lambda m: rest)
 
 
 def _combine(one: Recorder, two: Recorder) -> Trace:
@@ -150,7 +177,7 @@ def _combine(one: Recorder, two: Recorder) -> Trace:
         grows = s["category"] == "act"
         v3 = float(other["nbytes"]) if other is not None else None
         storages[sid] = Storage(fit(float(s["nbytes"]), v3, grows), s["kind"], s["category"], s["saved"],
-                                s["gathered"])
+                                s["gathered"], s.get("expert", False))
     ops = {}
     for key, a in one.ops.items():
         b = two.ops.get(key)
@@ -186,8 +213,17 @@ def _combine(one: Recorder, two: Recorder) -> Trace:
                                   lc["head"], lc["gathers_input"], lc["recomputed"]))
     boundary = {k: fit(float(v), float(two.boundary[k]) if k in two.boundary else None)
                 for k, v in one.boundary.items()}
+    experts = []
+    for i, call in enumerate(one.experts_calls):
+        other = two.experts_calls[i] if len(two.experts_calls) == len(one.experts_calls) else None
+
+        def size(name):
+            return fit(float(call[name]), float(other[name]) if other is not None else None)
+
+        experts.append(ExpertsCall(call["part"], size("in_bytes"), size("out_bytes"), call["num_experts"],
+                                   call["recomputed"]))
     parts = ["first"] + [f"block {i}" for i in range(len(one.blocks))] + ["last"]
-    return Trace("", None, parts, ops, list(one.events), storages, linears, boundary, one.logits_part)
+    return Trace("", None, parts, ops, list(one.events), storages, linears, boundary, one.logits_part, experts)
 
 
 def _align(a: list, b: list) -> dict:
