@@ -8,8 +8,12 @@ An *input* is one of
 * a ``.txt`` file -- the whole file is one document;
 * a ``.jsonl`` file -- one JSON object per line, the document is the field
   ``json_key`` (default ``"text"``); blank lines are skipped;
-* a directory -- every ``.txt`` / ``.jsonl`` file below it (recursively, hidden
-  files skipped), in sorted path order;
+* a ``.parquet`` or ``.arrow`` file, or a directory written by ``datasets``'
+  ``save_to_disk`` -- one document per row, its text in the column ``json_key``,
+  read through the ``datasets`` library (:mod:`~dufu.data.hf_datasets`);
+* a directory -- every ``.txt`` / ``.jsonl`` / ``.parquet`` / ``.arrow`` file and
+  ``save_to_disk`` directory below it (recursively, hidden files skipped), in
+  sorted path order;
 * a list of any of these, read in order.
 
 Documents always come out in the same order for the same input, which the
@@ -25,16 +29,18 @@ from typing import Iterator, Sequence, Union
 
 from dufu.errors import DataError
 
+from . import hf_datasets
 from ._cache import hash_stream, short_hash
 
 BUILTIN = "builtin"
-SUFFIXES = (".txt", ".jsonl")
+SUFFIXES = (".txt", ".jsonl") + hf_datasets.SUFFIXES
 
 Input = Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]]
 
 _ACCEPTED = (
     f'"{BUILTIN}" (the built-in corpus), a .txt file (one document per file), a .jsonl file '
-    "(one JSON object per line), a directory containing such files, or a list of these"
+    "(one JSON object per line), a .parquet or .arrow file or a directory written by datasets' save_to_disk "
+    "(one document per row), a directory containing such files, or a list of these"
 )
 
 
@@ -46,10 +52,11 @@ def builtin_documents() -> list[str]:
 
 
 def resolve_sources(path: Input) -> list[Union[str, Path]]:
-    """Expand an input into its list of sources: ``BUILTIN`` and/or ``.txt`` / ``.jsonl`` file paths.
+    """Expand an input into its list of sources: ``BUILTIN``, file paths (``.txt`` / ``.jsonl`` / ``.parquet`` /
+    ``.arrow``) and ``save_to_disk`` directories.
 
     Raises :class:`DataError` at once for a missing path, an unsupported file
-    type or a directory without any ``.txt`` / ``.jsonl`` file.
+    type or a directory without any readable file.
     """
     if isinstance(path, (str, os.PathLike)):
         items = [path]
@@ -68,20 +75,15 @@ def resolve_sources(path: Input) -> list[Union[str, Path]]:
             continue
         p = Path(item).expanduser()
         if p.is_dir():
-            files = sorted(
-                f
-                for f in p.rglob("*")
-                if f.is_file()
-                and f.suffix in SUFFIXES
-                and not any(part.startswith(".") for part in f.relative_to(p).parts)
-            )
-            if not files:
+            found = _walk(p)
+            if not found:
                 raise DataError(
-                    f"Data directory {p} contains no .txt or .jsonl files. Put the documents in "
+                    f"Data directory {p} contains no .txt or .jsonl files (nor .parquet / .arrow files or "
+                    "save_to_disk directories). Put the documents in "
                     f".txt files (one document per file) or .jsonl files (one JSON object per line), "
                     f"or pass another input: {_ACCEPTED}."
                 )
-            sources.extend(files)
+            sources.extend(found)
         elif p.is_file():
             if p.suffix not in SUFFIXES:
                 raise DataError(
@@ -94,13 +96,44 @@ def resolve_sources(path: Input) -> list[Union[str, Path]]:
     return sources
 
 
+def _walk(directory: Path) -> list[Path]:
+    """The sources in ``directory``: itself if ``save_to_disk`` wrote it, else every readable file and
+    ``save_to_disk`` directory below it (not entering those), hidden ones skipped, in sorted path order."""
+    splits = hf_datasets.dataset_dict_splits(directory)
+    if splits is not None:
+        raise DataError(
+            f"Data directory {directory} was written by DatasetDict.save_to_disk and holds the splits {splits}. "
+            f"Pass the directory of one split, e.g. {directory / (splits[0] if splits else 'train')}."
+        )
+    if hf_datasets.is_dataset_dir(directory):
+        return [directory]
+    found = []
+    for root, dirs, files in os.walk(directory):
+        here = Path(root)
+        kept = []
+        for name in dirs:
+            if name.startswith("."):
+                continue
+            if hf_datasets.is_dataset_dir(here / name):
+                found.append(here / name)  # read as one dataset, its own .arrow files not one by one
+            else:
+                kept.append(name)
+        dirs[:] = kept
+        found.extend(here / name for name in files if not name.startswith(".") and Path(name).suffix in SUFFIXES)
+    return sorted(found)
+
+
 def read_documents(path: Input, json_key: str = "text") -> Iterator[str]:
     """Iterate over the documents of an input (see the module docstring for the kinds of input).
 
-    The input is checked when this is called; reading (and errors inside files,
-    such as a bad JSON line, reported with its line number) happens lazily.
+    The input is checked when this is called (paths, and the text column of
+    ``datasets`` files); reading (and errors inside files, such as a bad JSON line,
+    reported with its line number) happens lazily.
     """
     sources = resolve_sources(path)
+    for source in sources:
+        if hf_datasets.is_hf_source(source):
+            hf_datasets.check_columns(source, {json_key: ("json_key (--json-key)", "document text")})
     return _iter_sources(sources, json_key)
 
 
@@ -108,6 +141,8 @@ def _iter_sources(sources: list[Union[str, Path]], json_key: str) -> Iterator[st
     for source in sources:
         if source == BUILTIN:
             yield from builtin_documents()
+        elif hf_datasets.is_hf_source(source):
+            yield from hf_datasets.read_texts(source, json_key)
         elif source.suffix == ".txt":
             yield _read_text(source)
         else:
@@ -180,7 +215,8 @@ def _read_jsonl(path: Path, json_key: str) -> Iterator[str]:
 
 
 def input_fingerprint(path: Input, json_key: str = "text") -> str:
-    """A cheap fingerprint of an input: path, size and modification time of every file.
+    """A cheap fingerprint of an input: path, size and modification time of every file (of every file in a
+    ``save_to_disk`` directory).
 
     For the built-in corpus it is a hash of its content (it changes with the
     Python version). Used to key cached preprocessed datasets.
@@ -190,8 +226,9 @@ def input_fingerprint(path: Input, json_key: str = "text") -> str:
         if source == BUILTIN:
             parts.append("builtin:" + content_fingerprint(BUILTIN))
         else:
-            st = source.stat()
-            parts.append(f"{source.resolve()}:{st.st_size}:{st.st_mtime_ns}")
+            for file in hf_datasets.source_files(source):  # a save_to_disk directory: every file in it
+                st = file.stat()
+                parts.append(f"{file.resolve()}:{st.st_size}:{st.st_mtime_ns}")
     return short_hash(*parts)
 
 

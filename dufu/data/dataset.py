@@ -17,13 +17,15 @@ import json
 import os
 import warnings
 from pathlib import Path
+from typing import Mapping
 
 import numpy as np
 
 from dufu.errors import DataError
 
 from . import _cache
-from .corpus import BUILTIN, Input, input_fingerprint
+from .blend import BlendedDataset, ValidationSets, dataset_names, parse_blend
+from .corpus import BUILTIN, Input, input_fingerprint, resolve_sources
 from .indexed_dataset import IndexedDataset, dataset_exists
 from .preprocess import preprocess
 from .tokenizer import Tokenizer
@@ -86,21 +88,30 @@ class TokenDataset:
 
 
 def build_lm_datasets(
-    data_path: Input,
+    data_path: Input | Mapping,
     tokenizer: Tokenizer,
     seq_length: int,
     valid_fraction: float = 0.05,
     json_key: str = "text",
     cache_dir: str | os.PathLike | None = None,
-) -> tuple[TokenDataset, TokenDataset | None]:
+) -> tuple[TokenDataset | BlendedDataset, TokenDataset | ValidationSets | None]:
     """Train and validation datasets for ``data_path``.
 
     ``data_path`` is either the prefix of a preprocessed dataset (``<p>.bin`` and
     ``<p>.idx`` exist; its token ids must fit ``tokenizer``), or any text input of
-    :func:`~dufu.data.corpus.read_documents` ("builtin", .txt, .jsonl, a directory,
-    a list), which is preprocessed once into ``<cache>/datasets/<hash>/`` and
-    reused afterwards. The hash covers the input files (path, size, mtime), the
-    tokenizer and ``json_key``; see :mod:`dufu.data._cache` for the cache location.
+    :func:`~dufu.data.corpus.read_documents` ("builtin", .txt, .jsonl, .parquet,
+    .arrow, a directory written by ``datasets``' ``save_to_disk``, a directory of
+    such files, a list), which is preprocessed once into ``<cache>/datasets/<hash>/``
+    and reused afterwards. The hash covers the input files (path, size, mtime), the
+    tokenizer and ``json_key`` (the text field of .jsonl lines and of ``datasets``
+    rows); see :mod:`dufu.data._cache` for the cache location.
+
+    ``data_path`` may also be a weighted blend of such paths, ``[0.7, "web", 0.3, "code"]``,
+    ``{"web": 0.7, "code": 0.3}`` or ``"0.7 web 0.3 code"`` (:mod:`dufu.data.blend`): every
+    path is checked before any is tokenized, each dataset is split on its own, and the
+    result is a :class:`~dufu.data.blend.BlendedDataset` of the training splits and
+    :class:`~dufu.data.blend.ValidationSets` of the validation splits, named by
+    :func:`~dufu.data.blend.dataset_names`.
 
     The split is by whole documents: the last ``valid_fraction`` of the documents
     (at least one) are validation, the rest train. ``valid_fraction=0`` returns
@@ -111,13 +122,37 @@ def build_lm_datasets(
             f"valid_fraction must be in [0, 1), got {valid_fraction}. Use e.g. 0.05 for 5% of the documents, "
             "or 0 for no validation set."
         )
+    blend = parse_blend(data_path)
+    if blend is None:
+        return _split(_open(data_path, tokenizer, json_key, cache_dir), seq_length, valid_fraction)
+    weights, paths = [w for w, _ in blend], [p for _, p in blend]
+    for k, (weight, path) in enumerate(blend):  # every path exists before anything is tokenized
+        try:
+            if _as_prefix(path) is None:
+                resolve_sources(path)
+        except DataError as e:
+            raise DataError(f"Blend entry {k + 1} of {len(blend)} ({path!r}, weight {weight:g}): {e}") from None
+    if len(blend) == 1:
+        return _split(_open(paths[0], tokenizer, json_key, cache_dir), seq_length, valid_fraction)
+    names = dataset_names(paths)
+    splits = [_split(_open(p, tokenizer, json_key, cache_dir), seq_length, valid_fraction) for p in paths]
+    train = BlendedDataset([t for t, _ in splits], weights, names)
+    valid = ValidationSets([(n, v) for n, (_, v) in zip(names, splits)]) if valid_fraction else None
+    return train, valid
+
+
+def _open(data_path: Input, tokenizer: Tokenizer, json_key: str, cache_dir) -> IndexedDataset:
+    """The indexed tokens of one path: a preprocessed prefix as it is, or a text input through the cache."""
     prefix = _as_prefix(data_path)
     if prefix is not None:
         indexed = IndexedDataset(prefix)
         _check_fits(indexed, tokenizer)
-    else:
-        indexed = IndexedDataset(_cached_preprocess(data_path, tokenizer, json_key, cache_dir))
+        return indexed
+    return IndexedDataset(_cached_preprocess(data_path, tokenizer, json_key, cache_dir))
 
+
+def _split(indexed: IndexedDataset, seq_length: int, valid_fraction: float) -> tuple[TokenDataset, TokenDataset | None]:
+    """The training and validation samples of one dataset: its last ``valid_fraction`` of documents validate."""
     n = indexed.num_documents
     if valid_fraction == 0:
         return TokenDataset(indexed, seq_length), None
@@ -161,8 +196,9 @@ def _as_prefix(data_path: Input) -> str | None:
             return path  # IndexedDataset names the missing half
         raise DataError(
             f"Data path {path!r} does not exist, and neither do {path}.bin / {path}.idx. Pass the prefix of a "
-            "preprocessed dataset (made by `dufu preprocess`), a .txt or .jsonl file, a directory of them, "
-            f"or '{BUILTIN}' for the built-in corpus."
+            "preprocessed dataset (made by `dufu preprocess`), a .txt, .jsonl, .parquet or .arrow file, a "
+            f"directory written by datasets' save_to_disk, a directory of such files, '{BUILTIN}' for the "
+            'built-in corpus, or a weighted blend of these such as [0.7, "web", 0.3, "code"].'
         )
     return None
 

@@ -2,6 +2,12 @@
 
 The validation samples are split over ranks exactly like training batches and each batch's loss is the mean
 over its targets, as in training, so the numbers are the same in every layout.
+
+A blend of datasets (:class:`~dufu.data.blend.ValidationSets`) is evaluated dataset by dataset, the first
+``eval_iter`` global batches of each: ``eval_loss/<name>`` and ``eval_ppl/<name>`` for each, and ``eval_loss``
+the mean over all the targets evaluated, as for one dataset. A dataset whose validation split is smaller than
+one global batch is evaluated on one global batch that goes round its samples again (every sample counted at
+least once), so that every rank and layout still runs whole batches.
 """
 
 from __future__ import annotations
@@ -17,18 +23,54 @@ from dufu.engine.batch import local_scalar
 @torch.no_grad()
 def evaluate(trainer) -> dict:
     """Mean validation loss and perplexity over the first ``train.evaluation.eval_iter`` global batches of the
-    validation set (and accuracy when every sample has one class label), with ``trainer``'s model parts."""
+    validation set (and accuracy when every sample has one class label), with ``trainer``'s model parts; for a
+    blend, also per dataset (module docstring)."""
     G = trainer.global_batch_size
-    n_batches = min(trainer.cfg.train.evaluation.get("eval_iter", 20), len(trainer.valid_ds) // G)
+    eval_iter = trainer.cfg.train.evaluation.get("eval_iter", 20)
+    parts = getattr(trainer.valid_ds, "parts", None)
     for part in trainer.model_parts:
         part.eval()
+    try:
+        if parts is None:
+            n_batches = min(eval_iter, len(trainer.valid_ds) // G)
+            total, correct, classification = _loss_sums(trainer, trainer.valid_ds, n_batches)
+            mean = trainer.reduce_loss(total) / n_batches
+            result = {"eval_loss": mean, "eval_ppl": _ppl(mean), "eval_samples": n_batches * G}
+            if classification:
+                result["eval_accuracy"] = trainer.reduce_loss(correct * trainer.dims.data_parallel_size) / n_batches
+            return result
+        per_dataset, loss_sum, batches = {}, 0.0, 0
+        for name, dataset in parts:
+            n_batches = max(1, min(eval_iter, len(dataset) // G))
+            total, _, _ = _loss_sums(trainer, dataset, n_batches)
+            summed = trainer.reduce_loss(total)  # every rank reduces every dataset, in the same order
+            per_dataset[f"eval_loss/{name}"] = summed / n_batches
+            per_dataset[f"eval_ppl/{name}"] = _ppl(summed / n_batches)
+            loss_sum, batches = loss_sum + summed, batches + n_batches
+        mean = loss_sum / batches  # LM batches hold G x seq_length targets each: the mean over all targets
+        return {"eval_loss": mean, "eval_ppl": _ppl(mean), "eval_samples": batches * G, **per_dataset}
+    finally:
+        for part in trainer.model_parts:
+            part.train()
+
+
+def _ppl(loss: float) -> float:
+    return math.exp(min(loss, 50.0))
+
+
+def _loss_sums(trainer, dataset, n_batches: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """This rank's sum over ``n_batches`` global batches of ``dataset`` of its share of each batch's mean loss
+    (and of correct classifications / G), as :meth:`reduce_loss` takes them. Sample indices go round the
+    dataset when it is shorter than the batches asked for."""
+    G = trainer.global_batch_size
     per_rank = G // trainer.dims.data_parallel_size
     total = torch.zeros((), device=trainer.device)
     correct = torch.zeros((), device=trainer.device)  # classification: one label per sample
     classification = False
+    size = len(dataset)
     for b in range(n_batches):
         start = b * G + trainer.dp_rank * per_rank
-        inputs = trainer.batch(trainer.valid_ds, list(range(start, start + per_rank)))
+        inputs = trainer.batch(dataset, [i % size for i in range(start, start + per_rank)])
         trainer.count_global_targets([inputs])  # each batch's loss: the mean over its targets, as in training
         labels = inputs.get("labels")
         # one class label per sample: accuracy too (decided from the batch, so alike on every rank)
@@ -49,17 +91,10 @@ def evaluate(trainer) -> dict:
                     total += local_scalar(out.loss) * trainer.target_weight(mb)
                     if classification:
                         correct += num_correct(out.logits, mb["labels"]) / G
-    for part in trainer.model_parts:
-        part.train()
-    mean = trainer.reduce_loss(total) / n_batches
-    result = {"eval_loss": mean, "eval_ppl": math.exp(min(mean, 50.0)), "eval_samples": n_batches * G}
-    if classification:
-        result["eval_accuracy"] = trainer.reduce_loss(correct * trainer.dims.data_parallel_size) / n_batches
-    return result
+    return total, correct, classification
 
 
 def num_correct(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """How many samples' arg-max class is their label."""
     logits = logits.full_tensor() if isinstance(logits, DTensor) else logits
     return (logits.argmax(-1) == labels).sum().float()
-

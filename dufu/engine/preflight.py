@@ -73,6 +73,8 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     tokenizer = instantiate(cfg.tokenization.tokenizer)
     train_ds, valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # fills the data cache
     check_validation_set(cfg, valid_ds, batch_sizes[1])
+    if hasattr(train_ds, "order_by_seed"):  # a blend: it is the training order, as long as the run (data.blend)
+        train_ds.order_by_seed(t.seed, num_samples=t.train_iter * batch_sizes[1])
     seq_length = getattr(train_ds, "seq_length", None) or train_ds[0].shape[0] - 1
     # Shapes only: each rank allocates just what it holds after splitting and sharding.
     with torch.device("meta"):

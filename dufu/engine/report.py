@@ -43,8 +43,7 @@ def describe(trainer) -> str:
         f"  batch        global {trainer.global_batch_size} = micro {trainer.micro_batch_size} x dp "
         f"{trainer.dims.data_parallel_size} x accumulation {trainer.num_accumulation_steps}; "
         f"{trainer.tokens_per_step:,} tokens/step",
-        f"  data         {len(trainer.train_ds):,} training samples, {valid:,} validation samples; tokenizer vocab "
-        f"{trainer.tokenizer.vocab_size:,}",
+        *data_lines(trainer, valid),
         f"  precision    {amp}: {trainer.precision.reason}",
         f"  compile      {trainer.compile.reason}",
         f"  MFU          {trainer.flops_per_token / 1e6:,.1f} MFLOP/token (6N + 12*L*H*T); peak {trainer.peak_source}",
@@ -53,6 +52,27 @@ def describe(trainer) -> str:
         f"  output       {trainer.output_dir}",
         *(f"  notice       {n}" for n in trainer.notices),
     ])
+
+
+def data_lines(trainer, valid: int) -> list[str]:
+    """The data line; for a blend (:class:`~dufu.data.blend.BlendedDataset`) also one line per dataset with its
+    training tokens, weight and the epochs of it the run sees: train_iter x global batch x weight / its samples."""
+    train = trainer.train_ds
+    vocab = f"tokenizer vocab {trainer.tokenizer.vocab_size:,}"
+    names = getattr(train, "names", None)
+    if names is None or not hasattr(train, "datasets"):
+        return [f"  data         {len(train):,} training samples, {valid:,} validation samples; {vocab}"]
+    seen = trainer.cfg.train.train_iter * trainer.global_batch_size
+    lines = [f"  data         blend of {len(names)} datasets, {len(train):,} training samples per pass, {valid:,} "
+             f"validation samples; {vocab}"]
+    width = max(len(n) for n in names)
+    for name, ds, weight in zip(names, train.datasets, train.weights):
+        tokens = getattr(ds, "num_tokens", None)
+        tokens = f"{tokens:,} tokens, " if tokens is not None else ""
+        epochs = seen * float(weight) / len(ds)
+        lines.append(f"               {name:<{width}}  {tokens}{len(ds):,} samples, weight {weight:.3g}: "
+                     f"{epochs:.3g} epochs in {trainer.cfg.train.train_iter:,} steps")
+    return lines
 
 
 def weights_line(trainer) -> str:
@@ -71,7 +91,9 @@ def weights_line(trainer) -> str:
 
 def evaluation_line(step: int, ev: dict) -> str:
     acc = f", accuracy {100 * ev['eval_accuracy']:.1f}%" if "eval_accuracy" in ev else ""
-    return f"step {step}: validation loss {ev['eval_loss']:.4f}, perplexity {ev['eval_ppl']:.1f}{acc}"
+    each = ", ".join(f"{k.split('/', 1)[1]} {v:.4f}" for k, v in ev.items() if k.startswith("eval_loss/"))
+    each = f" ({each})" if each else ""  # a blend: each dataset's validation loss
+    return f"step {step}: validation loss {ev['eval_loss']:.4f}{each}, perplexity {ev['eval_ppl']:.1f}{acc}"
 
 
 def window_rates(tokens_per_step: int, steps: int, seconds: float, flops_per_token: float, peak_flops: float,

@@ -108,7 +108,7 @@ class Trainer:
         self.sampler = ResumableBatchSampler(
             len(self.train_ds), self.global_batch_size, self.micro_batch_size,
             data_parallel_rank=self.dp_rank, data_parallel_size=self.dims.data_parallel_size, seed=t.seed,
-        )
+            shuffle=not getattr(self.train_ds, "orders_samples", False))  # a blend orders its own (data.blend)
         self.scaler = (DynamicLossScaler(**t.amp.get("loss_scaler", {}))  # bf16 has fp32's range: no scaling
                        if self.amp_dtype == torch.float16 else None)
         self.step, self.last_lr = 0, 0.0
