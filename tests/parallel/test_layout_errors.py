@@ -268,3 +268,24 @@ def test_impossible_expert_layouts_fail_with_the_arithmetic(case, tmp_path):
         check(tmp_path, world, *overrides, recipe=recipe)
     for fragment in fragments:
         assert fragment in str(err.value), (fragment, str(err.value))
+
+
+def test_token_ids_beyond_the_vocabulary_fail_at_preflight(tmp_path):
+    """A Megatron pair tokenized for a larger vocabulary: the largest id in the data against the vocabulary the
+    model is built for (the tokenizer's, which must equal model.vocab_size or be smaller), before any worker."""
+    import numpy as np
+
+    from dufu.data.indexed_dataset import IndexedDatasetWriter
+    from dufu.errors import DataError
+
+    prefix = tmp_path / "wide_vocab"
+    writer = IndexedDatasetWriter(prefix, vocab_size=50_000, format="megatron")
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        writer.add_document(rng.integers(0, 250, size=200))
+    writer.add_document(np.array([249, 1000, 5]))  # one id far beyond the byte vocabulary
+    writer.finalize()
+    with pytest.raises(DataError) as err:
+        check(tmp_path, 1, f"dataloader.train.data_path={prefix}")
+    message = " ".join(str(err.value).split())
+    assert "contains token id 1000" in message and "has only 257 tokens" in message
