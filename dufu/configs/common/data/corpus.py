@@ -1,6 +1,7 @@
 # Language-model data: a tokenizer and fixed-length token samples from a corpus.
-# data_path is "builtin" (CPython's pydoc topics, ~465 KB of English), a .txt/.jsonl file or directory,
-# or the prefix of a file made by `dufu preprocess`.
+# data_path is "builtin" (CPython's pydoc topics, ~465 KB of English), a .txt/.jsonl/.parquet/.arrow file or
+# directory (or a `datasets` save_to_disk directory), the prefix of a .bin/.idx pair (Megatron's or dufu's), or a
+# weighted blend of them: [0.7, "web", 0.3, "code"], {"web": 0.7, "code": 0.3} or "0.7 web 0.3 code" (docs/data.md).
 from dufu.config import LazyCall as L
 from dufu.data import build_lm_datasets, build_tokenizer
 
