@@ -27,6 +27,7 @@ from . import _cache
 from .blend import BlendedDataset, ValidationSets, dataset_names, parse_blend
 from .corpus import BUILTIN, Input, input_fingerprint, resolve_sources
 from .indexed_dataset import IndexedDataset, dataset_exists
+from .packing import DocumentMaskedDataset
 from .preprocess import preprocess
 from .tokenizer import Tokenizer
 
@@ -94,6 +95,7 @@ def build_lm_datasets(
     valid_fraction: float = 0.05,
     json_key: str = "text",
     cache_dir: str | os.PathLike | None = None,
+    document_mask: bool = False,
 ) -> tuple[TokenDataset | BlendedDataset, TokenDataset | ValidationSets | None]:
     """Train and validation datasets for ``data_path``.
 
@@ -116,6 +118,10 @@ def build_lm_datasets(
     The split is by whole documents: the last ``valid_fraction`` of the documents
     (at least one) are validation, the rest train. ``valid_fraction=0`` returns
     ``(train, None)``.
+
+    ``document_mask=True`` (Llama 3's long-context recipe): samples still cut across documents, but each
+    carries ``position_ids`` restarting at every document start, so no token attends across a boundary
+    (:class:`~dufu.data.packing.DocumentMaskedDataset`, :func:`dufu.layers.attention.document_mask`).
     """
     if not 0 <= valid_fraction < 1:
         raise DataError(
@@ -124,7 +130,7 @@ def build_lm_datasets(
         )
     blend = parse_blend(data_path)
     if blend is None:
-        return _split(_open(data_path, tokenizer, json_key, cache_dir), seq_length, valid_fraction)
+        return _split(_open(data_path, tokenizer, json_key, cache_dir), seq_length, valid_fraction, document_mask)
     weights, paths = [w for w, _ in blend], [p for _, p in blend]
     for k, (weight, path) in enumerate(blend):  # every path exists before anything is tokenized
         try:
@@ -133,9 +139,10 @@ def build_lm_datasets(
         except DataError as e:
             raise DataError(f"Blend entry {k + 1} of {len(blend)} ({path!r}, weight {weight:g}): {e}") from None
     if len(blend) == 1:
-        return _split(_open(paths[0], tokenizer, json_key, cache_dir), seq_length, valid_fraction)
+        return _split(_open(paths[0], tokenizer, json_key, cache_dir), seq_length, valid_fraction, document_mask)
     names = dataset_names(paths)
-    splits = [_split(_open(p, tokenizer, json_key, cache_dir), seq_length, valid_fraction) for p in paths]
+    splits = [_split(_open(p, tokenizer, json_key, cache_dir), seq_length, valid_fraction, document_mask)
+              for p in paths]
     train = BlendedDataset([t for t, _ in splits], weights, names)
     valid = ValidationSets([(n, v) for n, (_, v) in zip(names, splits)]) if valid_fraction else None
     return train, valid
@@ -151,8 +158,12 @@ def _open(data_path: Input, tokenizer: Tokenizer, json_key: str, cache_dir) -> I
     return IndexedDataset(_cached_preprocess(data_path, tokenizer, json_key, cache_dir))
 
 
-def _split(indexed: IndexedDataset, seq_length: int, valid_fraction: float) -> tuple[TokenDataset, TokenDataset | None]:
-    """The training and validation samples of one dataset: its last ``valid_fraction`` of documents validate."""
+def _split(indexed: IndexedDataset, seq_length: int, valid_fraction: float, document_mask: bool = False):
+    """The training and validation samples of one dataset: its last ``valid_fraction`` of documents validate;
+    with ``document_mask`` each sample also carries its documents' restarting position ids."""
+    if document_mask:
+        train, valid = _split(indexed, seq_length, valid_fraction)
+        return DocumentMaskedDataset(train), (DocumentMaskedDataset(valid) if valid is not None else None)
     n = indexed.num_documents
     if valid_fraction == 0:
         return TokenDataset(indexed, seq_length), None

@@ -20,6 +20,20 @@ pretraining samples of :mod:`~dufu.data.dataset`). A prompt longer than ``max_pr
 of ``seq_length``) keeps its last tokens — the ones next to the response — so every sample has response
 targets; then the response (with its EOS) is cut at the end to fit.
 
+Packing (``packing=True``, as in Megatron-LM, torchtune and TRL): on short pairs most of a padded sample is
+padding, so instead several samples share one row of ``seq_length``, each keeping only its real positions (the
+``seq_length + 1``-token sample above without its padding: inputs up to the token before its EOS, targets up to
+the EOS), packed best-fit in dataset order by :class:`~dufu.data.packing.PackedDataset`::
+
+    input_ids     P  P  R  R  p  p  p  r  r  .  .      (two samples, then padding)
+    shift_labels  -  R  R  E  -  -  r  r  e  -  -
+    position_ids  0  1  2  3  0  1  2  3  4  0  1      restart at each sample: the attention stays inside it
+
+The position ids restart at every sample, so each sees positions ``0 .. len - 1`` as when padded alone, and the
+models mask attention to each sample's own tokens (block-causal, :func:`dufu.layers.attention.document_mask`):
+a packed sample's logits and loss are the ones it has padded. Position ids are model keyword arguments every
+pipeline stage gets, so packed samples run in every layout padded ones do. The validation split is packed too.
+
 The loss the models compute is the mean over the target tokens of each micro-batch; the trainer weights each
 micro-batch by its share of the global batch's targets, so a step's loss is the mean over all the response
 tokens of the global batch, whatever the micro-batch size and layout (docs/parallelism.md, "The loss of a
@@ -40,7 +54,9 @@ import numpy as np
 
 from dufu.errors import DataError
 
+from . import hf_datasets
 from .corpus import BUILTIN, read_jsonl_fields, resolve_sources
+from .packing import PackedDataset
 from .sampler import Sample
 from .tokenizer import Tokenizer
 
@@ -82,11 +98,17 @@ def _is_heading(paragraph: str) -> bool:
 def read_sft_records(data_path: SFTInput = BUILTIN, prompt_key: str = "prompt",
                      response_key: str = "response") -> list[tuple[str, str]]:
     """(prompt, response) pairs of an input: ``"builtin"``, a ``.jsonl`` file (one JSON object per line,
-    blank lines skipped), a directory of ``.jsonl`` files (sorted, recursively) or a list of these."""
+    blank lines skipped), a ``.parquet`` / ``.arrow`` file or ``datasets`` ``save_to_disk`` directory (through
+    :mod:`dufu.data.hf_datasets`), a directory of such files (sorted, recursively) or a list of these."""
     pairs: list[tuple[str, str]] = []
     for source in resolve_sources(data_path):
         if source == BUILTIN:
             pairs.extend((r["prompt"], r["response"]) for r in builtin_sft_records())
+        elif hf_datasets.is_hf_source(source):  # .parquet, .arrow, a save_to_disk directory
+            fields = {prompt_key: ("dataloader.train.prompt_key", "prompt"),
+                      response_key: ("dataloader.train.response_key", "response")}
+            pairs.extend((r[prompt_key], r[response_key])
+                         for r in hf_datasets.read_records(source, fields, what="SFT data"))
         elif source.suffix != ".jsonl":
             raise DataError(
                 f"SFT data file {source} is a {source.suffix} file, but prompt/response records come from "
@@ -150,8 +172,10 @@ class SFTDataset:
         n, width = len(pairs), seq_length + 1
         prompts = tokenizer.encode_batch([prompt_template.replace("{prompt}", p) for p, _ in pairs])
         responses = tokenizer.encode_batch([r for _, r in pairs])
+        self.eos = eos
         self.tokens = np.full((n, width), eos, dtype=np.int64)  # (N, T + 1), padded with EOS ids
         self.is_target = np.zeros((n, width), dtype=bool)  # (N, T + 1): response and EOS tokens
+        self.lengths = np.zeros(n, dtype=np.int64)  # (N,): tokens of prompt + response + EOS (no padding)
         self.prompt_truncated = self.response_truncated = 0
         for i, (prompt, response) in enumerate(zip(prompts, responses)):
             if len(prompt) > self.max_prompt_length:
@@ -164,6 +188,7 @@ class SFTDataset:
             row = prompt + answer
             self.tokens[i, : len(row)] = row
             self.is_target[i, len(prompt): len(row)] = True
+            self.lengths[i] = len(row)
         self.pairs = list(pairs)
 
     def __len__(self) -> int:
@@ -175,6 +200,11 @@ class SFTDataset:
         # position t predicts token t + 1: a target only where that token is part of the response
         shift_labels = np.where(target[1:], tokens[1:], IGNORE_INDEX)  # (T,)
         return Sample(input_ids=tokens[:-1], shift_labels=shift_labels)
+
+    @property
+    def input_lengths(self) -> np.ndarray:
+        """(N,) positions of each sample that are not padding: its tokens but the last (the EOS is a target only)."""
+        return self.lengths - 1
 
     def __repr__(self) -> str:
         return (f"SFTDataset({len(self)} samples of {self.seq_length} tokens; prompts cut to their last "
@@ -190,10 +220,12 @@ def build_sft_datasets(
     valid_fraction: float = 0.1,
     max_prompt_length: int | None = None,
     prompt_template: str = "{prompt}",
-) -> tuple[SFTDataset, SFTDataset | None]:
+    packing: bool = False,
+) -> tuple[SFTDataset | PackedDataset, SFTDataset | PackedDataset | None]:
     """Train and validation SFT datasets from ``data_path`` (``"builtin"``, ``.jsonl`` files or directories
     of them, see :func:`read_sft_records`). The last ``valid_fraction`` of the records (at least one) are
-    validation, the rest train, in file order; ``valid_fraction=0`` returns ``(train, None)``."""
+    validation, the rest train, in file order; ``valid_fraction=0`` returns ``(train, None)``. ``packing``:
+    several samples per row, each split packed on its own (see the module docstring)."""
     if not 0 <= valid_fraction < 1:
         raise DataError(
             f"valid_fraction must be in [0, 1), got {valid_fraction}. Use e.g. 0.1 for 10% of the records, or 0 "
@@ -202,7 +234,8 @@ def build_sft_datasets(
     pairs = read_sft_records(data_path, prompt_key, response_key)
 
     def make(part):
-        return SFTDataset(part, tokenizer, seq_length, max_prompt_length, prompt_template)
+        padded = SFTDataset(part, tokenizer, seq_length, max_prompt_length, prompt_template)
+        return PackedDataset(padded, padded.input_lengths, pad_id=padded.eos) if packing else padded
 
     if valid_fraction == 0:
         return make(pairs), None

@@ -12,6 +12,13 @@ Options cover the families: causal or bidirectional, a padding mask, rotary
 position embeddings (LLaMA), an additive position bias (T5, Swin), cross-attention
 (T5 decoder), a custom softmax scale (T5 uses 1), and a key/value cache for
 generation.
+
+Packed samples and document masks have one interface, ``position_ids`` that restart
+at every sample or document start (as transformers' flattening collator writes
+them): :func:`document_mask` turns them into a block-causal mask, which the models
+compute once per forward and give every block as its ``attention_mask``. A row whose
+positions run on without a break (every batch that is not packed, and generation
+with or without a cache) is one document and keeps the plain causal path bit for bit.
 """
 
 from __future__ import annotations
@@ -54,6 +61,57 @@ def padding_mask_to_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> to
     """(B, T_k) with 1 = attend, 0 = padding  ->  additive (B, 1, 1, T_k) bias."""
     keep = attention_mask.to(torch.bool)[:, None, None, :]
     return torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device).masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def document_mask(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """The attention mask of packed samples (or of the documents inside a pretraining sample), read from their
+    ``position_ids`` (B|1, T): a token starts a new document wherever its position does not continue the
+    previous real token's (``position_ids[t] != position_ids[t'] + 1``, t' the last token before t that is
+    not padding), and attends only to earlier tokens of its own document (block-causal).
+
+    Returns ``attention_mask`` unchanged when every row is one run of positions (its first token may start
+    anywhere, e.g. at the length of a key/value cache, and padding in ``attention_mask`` breaks no run: a
+    left-padded prompt is one document), so such batches take the plain causal path bit for bit. Otherwise a
+    boolean (B|1, 1, T, T) mask, True where query t may attend to key s: s <= t, the same document, and s not
+    padding in ``attention_mask`` (B, T) (1 = token). :class:`Attention` takes it as the whole mask (causality
+    included). Its size grows as T^2 (T = 8192: 64 MiB per row), what a dense mask costs.
+
+    Why SDPA with this boolean mask (benchmarks/packing.py; results/packing-2026-11-25.md, 2 AMD EPYC cores,
+    forward + backward of (B, nh, T, hs) = (4, 4, 1024, 16) / (4, 12, 512, 64) / (1, 12, 2048, 64), three
+    documents per row): FlexAttention's block mask skips the masked blocks and its forward is faster (15 / 68 /
+    40 ms against SDPA's 77 / 84 / 426 ms), but torch 2.13 has no FlexAttention backward on the CPU
+    (NotImplementedError), so it cannot train here; it also needs torch.compile (0.5-5 s for a first call) and
+    a ``create_block_mask`` per batch (0.1-0.5 s). SDPA took the boolean mask as fast as an additive float mask
+    built from it (144 / 422 / 952 ms against 145 / 411 / 1148 ms), in a quarter of the memory; either costs up
+    to 1.8x plain causal SDPA (82 / 512 / 651 ms), which skips the upper triangle. On a GPU FlexAttention, with
+    its backward, is the one to measure."""
+    if position_ids.dim() == 1:
+        position_ids = position_ids[None]
+    T = position_ids.shape[-1]
+    if attention_mask is None:
+        starts = F.pad(position_ids[:, 1:] != position_ids[:, :-1] + 1, (1, 0), value=True)  # (B|1, T)
+        real = None
+    else:
+        if attention_mask.dim() != 2 or attention_mask.shape[-1] != T:
+            raise ValueError(
+                f"document masks from position_ids {tuple(position_ids.shape)} combine with a (B, {T}) padding mask "
+                f"only, got attention_mask {tuple(attention_mask.shape)}; give the padding mask, or no position_ids."
+            )
+        real = attention_mask.to(torch.bool)  # (B, T)
+        position_ids = position_ids.expand(real.shape[0], T)
+        index = torch.arange(T, device=real.device).expand_as(real)
+        last_real = torch.where(real, index, -1).cummax(-1).values  # (B, T): latest real token at or before t
+        before = F.pad(last_real[:, :-1], (1, 0), value=-1)  # latest real token before t (-1: none)
+        continued = position_ids.gather(-1, before.clamp(min=0)) + 1 == position_ids
+        starts = real & ((before < 0) | ~continued)  # (B, T)
+    if not bool((starts.sum(-1) <= 1).all()):  # at most the first token of each row starts a document
+        doc = starts.long().cumsum(-1)  # (B|1, T): which document each token is in
+        causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()
+        keep = (doc[:, :, None] == doc[:, None, :]) & causal  # (B|1, T, T)
+        if real is not None:
+            keep = keep & real[:, None, :]
+        return keep[:, None]  # (B|1, 1, T, T)
+    return attention_mask
 
 
 class Attention(nn.Module):
@@ -105,8 +163,9 @@ class Attention(nn.Module):
         kv: Optional[torch.Tensor] = None,
         kv_cache: Optional[KVCache] = None,
     ) -> torch.Tensor:
-        """x (B, T, C). ``attention_mask``: (B, T_k) padding mask (1 keep) or an additive bias broadcastable
-        to (B, nh, T, T_k). ``rotary``: the rotary embedding that turns q and k by the angles of
+        """x (B, T, C). ``attention_mask``: (B, T_k) padding mask (1 keep), an additive bias broadcastable
+        to (B, nh, T, T_k), or a boolean mask broadcastable to it (True = attend) that is the whole mask, causality
+        included (:func:`document_mask`). ``rotary``: the rotary embedding that turns q and k by the angles of
         ``position_ids`` (B|1, T); they default to ``past .. past + T - 1``, past being the length already in
         ``kv_cache``. The angles are taken here, where x holds the whole sequence: under sequence parallelism
         the caller holds only a shard of it (the input of this module is gathered, see
@@ -136,6 +195,8 @@ class Attention(nn.Module):
                 n = pk.shape[2]
                 if attention_mask is not None and attention_mask.dim() == 2:  # the prefix is never padding
                     attention_mask = F.pad(attention_mask, (n, 0), value=1)
+                elif attention_mask is not None and attention_mask.dtype == torch.bool:  # every query sees it
+                    attention_mask = F.pad(attention_mask, (n, 0), value=True)
                 elif attention_mask is not None:
                     attention_mask = F.pad(attention_mask, (n, 0), value=0.0)
                 if position_bias is not None:
@@ -149,11 +210,27 @@ class Attention(nn.Module):
             raise ValueError("rotary embeddings apply to self-attention only")
         T_k = k.shape[2]
         bias = None
+        whole = False  # a boolean mask says everything, causality included
         if attention_mask is not None:
-            bias = padding_mask_to_bias(attention_mask, q.dtype) if attention_mask.dim() == 2 else attention_mask
+            if attention_mask.dim() == 2:
+                bias = padding_mask_to_bias(attention_mask, q.dtype)
+            elif attention_mask.dtype == torch.bool:
+                if attention_mask.shape[-1] != T_k or attention_mask.shape[-2] not in (1, T):
+                    raise ValueError(
+                        f"the boolean attention mask is for {tuple(attention_mask.shape[-2:])} queries x keys, but "
+                        f"this attention has {T} x {T_k}: tokens added to the sequence inside the model (prompt "
+                        "tuning's virtual tokens) have no place in a packed or document mask; train them on unpacked "
+                        "samples."
+                    )
+                bias, whole = attention_mask, True  # SDPA takes it as it is (see document_mask)
+            else:
+                bias = attention_mask
         if position_bias is not None:
+            if bias is not None and bias.dtype == torch.bool:
+                keep, bias = bias, torch.zeros(bias.shape, dtype=q.dtype, device=q.device)
+                bias = bias.masked_fill(~keep, torch.finfo(q.dtype).min)  # additive, to add the position bias
             bias = position_bias if bias is None else bias + position_bias
-        causal = self.causal and kv is None
+        causal = self.causal and kv is None and not whole
         if causal and (bias is not None or T != T_k):
             # Causal with an offset (cached past keys) or combined with a bias: build the mask explicitly.
             i = torch.arange(T, device=q.device)[:, None] + (T_k - T)
@@ -161,7 +238,7 @@ class Attention(nn.Module):
             causal_bias = torch.zeros(T, T_k, dtype=q.dtype, device=q.device).masked_fill(j > i, torch.finfo(q.dtype).min)
             bias = causal_bias if bias is None else bias + causal_bias
             causal = False
-        if bias is not None and bias.dtype != q.dtype:
+        if bias is not None and bias.dtype not in (q.dtype, torch.bool):
             bias = bias.to(q.dtype)
         y = F.scaled_dot_product_attention(
             q, k, v, attn_mask=bias, is_causal=causal, scale=self.scale,

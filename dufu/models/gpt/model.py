@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from dufu.layers import KVCache, LayerNorm, Linear, PositionEmbedding, TransformerLayer, VocabEmbedding
+from dufu.layers.attention import document_mask
 from dufu.layers.loss import causal_lm_loss, fused_linear_cross_entropy, next_token_labels
 from dufu.models.outputs import ModelOutput
 from dufu.models.base import InitByModule
@@ -126,6 +127,9 @@ class GPTModel(InitByModule, nn.Module):
         ``shift_labels`` are already the next-token ids (what dufu's trainer passes, no token wasted).
         ``attention_mask`` (B, T_past + T): 1 for tokens, 0 for padding. ``kv_cache``: keys and values of
         earlier positions (incremental decoding); ``position_ids`` then default to ``past .. past + T - 1``.
+        ``position_ids`` (B|1, T) that restart inside a row mark packed samples or documents, which then attend
+        only within themselves (block-causal, see :func:`~dufu.layers.attention.document_mask`; not with
+        ``kv_cache``: a cache holds one sequence per row); every pipeline stage gets them.
         With ``fused_loss`` and labels, ``logits`` is None (see __init__)."""
         hidden = self.hidden_states(input_ids, position_ids, attention_mask, kv_cache)
         if self.fused_loss and self.lm_head is not None and (labels is not None or shift_labels is not None):
@@ -145,6 +149,8 @@ class GPTModel(InitByModule, nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                       attention_mask: Optional[torch.Tensor] = None,
                       kv_cache: Optional[KVCache] = None) -> torch.Tensor:
+        if position_ids is not None and kv_cache is None:
+            attention_mask = document_mask(position_ids, attention_mask)  # once for all blocks
         if self.wte is not None:
             B, T = input_ids.shape
             past = 0

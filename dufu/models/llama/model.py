@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dufu.layers import Attention, GatedMLP, KVCache, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
+from dufu.layers.attention import document_mask
 from dufu.layers.loss import causal_lm_loss, fused_linear_cross_entropy, next_token_labels
 from dufu.models.outputs import ModelOutput
 from dufu.models.base import InitByModule
@@ -178,9 +179,14 @@ class LlamaDecoder(InitByModule, nn.Module):
         """Hugging Face semantics: ``labels`` are the input ids (shifted inside, -100 ignored);
         ``shift_labels`` are already the next-token ids (what dufu's trainer passes).
         ``attention_mask`` (B, T_past + T): 1 for tokens, 0 for padding. ``position_ids`` (B|1, T): default
-        ``past .. past + T - 1`` where past is the length already in ``kv_cache``. On a later pipeline stage
-        ``input_ids`` are the hidden states (B, T, C) of the stage before. With ``fused_loss`` and labels,
-        ``logits`` is None (see the class docstring)."""
+        ``past .. past + T - 1`` where past is the length already in ``kv_cache``; positions that restart inside
+        a row mark packed samples or documents, which then attend only within themselves (block-causal, see
+        :func:`~dufu.layers.attention.document_mask`; not with ``kv_cache``: a cache holds one sequence per
+        row). On a later pipeline stage ``input_ids`` are the hidden states (B, T, C) of the stage before (every
+        stage gets ``position_ids``). With ``fused_loss`` and labels, ``logits`` is None (see the class
+        docstring)."""
+        if position_ids is not None and kv_cache is None:
+            attention_mask = document_mask(position_ids, attention_mask)  # once for all blocks
         h = self.drop(self.wte(input_ids)) if self.wte is not None else input_ids  # (B, T, C)
         for block in self.blocks.values():
             h = block(h, attention_mask=attention_mask, position_ids=position_ids, kv_cache=kv_cache)

@@ -12,5 +12,6 @@ tokenization = dict(
 
 dataloader = dict(
     # tokenizer is filled in by the trainer from `tokenization.tokenizer`
-    train=L(build_lm_datasets)(data_path="builtin", seq_length=128, valid_fraction=0.05),
+    # document_mask: no token attends across a document boundary inside a sample (Llama 3's long-context recipe)
+    train=L(build_lm_datasets)(data_path="builtin", seq_length=128, valid_fraction=0.05, document_mask=False),
 )

@@ -16,5 +16,6 @@ dataloader = dict(
         valid_fraction=0.1,
         max_prompt_length=None,  # None: half of seq_length; a longer prompt keeps its last tokens
         prompt_template="{prompt}",
+        packing=False,  # True: several samples per row, each attending only to itself (dufu.data.packing)
     ),
 )
