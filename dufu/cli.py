@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import textwrap
@@ -181,6 +182,8 @@ def run_torchrun(cmd: list[str]) -> int:
 
     if cmd[:3] != [sys.executable, "-m", "torch.distributed.run"]:
         raise DufuError(f"not a torchrun command line: {' '.join(cmd[:3])} ...")
+    watcher = _WorkerFailures()
+    logging.getLogger("torch.distributed.elastic.multiprocessing.api").addHandler(watcher)
     try:
         torchrun_main(cmd[3:])
     except SignalException as e:  # Ctrl-C or a termination signal: the agent has stopped the workers
@@ -191,7 +194,30 @@ def run_torchrun(cmd: list[str]) -> int:
     except Exception:  # a failed worker group (ChildFailedError) or agent error, reported as torchrun reports it
         traceback.print_exc()
         return 1
+    finally:
+        logging.getLogger("torch.distributed.elastic.multiprocessing.api").removeHandler(watcher)
     return 0
+
+
+class _WorkerFailures(logging.Handler):
+    """Says in dufu's words which worker died and how, when torchrun's agent sees a worker group fail (before
+    it restarts the group under --max-restarts, or gives up)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if not str(record.msg).startswith("failed (exitcode") or len(record.args or ()) < 3:
+            return
+        import signal
+
+        code, local_rank, pid = record.args[:3]
+        how = f"exit code {code}"
+        if isinstance(code, int) and code < 0:
+            try:
+                how = f"killed by {signal.Signals(-code).name}"
+            except ValueError:
+                pass
+        node = os.environ.get("GROUP_RANK")
+        print(f"dufu: worker local rank {local_rank}{f' of node {node}' if node else ''} (pid {pid}) died: {how}",
+              file=sys.stderr)
 
 
 def cmd_plan(argv: list[str]) -> int:

@@ -7,6 +7,7 @@
 * ``kill_in_save:R:S``  rank R SIGKILLs its whole job in the middle of writing the step-S checkpoint
                         (after the shards are written, before the checkpoint is committed)
 * ``nan:R:S``           rank R's loss becomes NaN at step S
+* ``kill:R:S``          rank R is killed with SIGKILL at the start of step S (a lost process or node)
 * ``term:R:S``, ``usr1:R:S``  rank R sends SIGTERM / SIGUSR1 to its job at the start of step S, as a scheduler
                         preempting it would: to its torchrun agent (the launcher) if it has one, else to itself
 
@@ -43,6 +44,8 @@ def should_fire(kind: str, step: int) -> bool:
 def at_step_start(step: int) -> None:
     if should_fire("exit", step):
         os._exit(1)
+    if should_fire("kill", step):
+        os.kill(os.getpid(), signal.SIGKILL)
     if should_fire("hang", step):
         while True:
             time.sleep(3600)
@@ -61,12 +64,12 @@ def in_save(step: int) -> None:
 
 
 def install(trainer) -> None:
-    """Make ``trainer`` fire the training faults ``DUFU_FAULT`` names: ``exit``, ``hang``, ``term`` and ``usr1``
-    as a step starts,
+    """Make ``trainer`` fire the training faults ``DUFU_FAULT`` names: ``exit``, ``kill``, ``hang``, ``term`` and
+    ``usr1`` as a step starts,
     ``nan`` after the step's backward (the first gradient and the loss become NaN on that rank only, after
     any gradient reduction, as a local overflow would). Wraps this object's ``train_step`` and
     ``forward_backward``; nothing happens without ``DUFU_FAULT``."""
-    if not any(kind in ("exit", "hang", "nan", "term", "usr1") for kind, _, _ in _faults()):
+    if not any(kind in ("exit", "kill", "hang", "nan", "term", "usr1") for kind, _, _ in _faults()):
         return
     train_step, forward_backward = trainer.train_step, trainer.forward_backward
 

@@ -3,6 +3,7 @@ summary. Rank 0 writes and prints; the other ranks keep the same counters and st
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Callable
 
@@ -171,6 +172,12 @@ class RunLog:
     def start(self) -> None:
         """The progress bar and the clocks of throughput and train.stop_after_minutes start here (on every rank
         at once: one synchronisation)."""
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        if restart and self.writer is not None:  # a worker group restarted by --max-restarts: on the record
+            tr = self.trainer
+            self.writer.write({"step": tr.step, "restart": restart,
+                               "resumed_from": tr.resume_from.name if tr.resume_from is not None else None})
+            tr.log(f"restart {restart} of the worker group: continuing at step {tr.step}")
         self.bar = ProgressBar(self.train_iter, initial=self.trainer.step, enabled=self.trainer.is_main)
         self.start_step, self.window_steps = self.trainer.step, 0
         self.timed_steps, self.timed_seconds = 0, 0.0  # the logged windows, for the end summary

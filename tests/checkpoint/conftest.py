@@ -98,7 +98,7 @@ def _define_jobs(pool: JobPool, root) -> None:
     kill_in_save("dp2")
     simple("exit_fault", "dp2", fault="exit:1:3")
     simple("hang_fault", "dp2", "train.dist.timeout_minutes=0.25", fault="hang:1:3")
-    simple("restart", "dp2", fault="exit:1:7", flags=("--max-restarts", "1"))
+    simple("restart", "dp2_tp2", fault="kill:2:7", flags=("--max-restarts", "1"))
     nan_args = ("train.train_iter=5", "train.dist.timeout_minutes=0.25")
     for lay in ("tp2", "dp2"):
         simple(f"nan_stop_{lay}", lay, *nan_args, fault="nan:0:3")

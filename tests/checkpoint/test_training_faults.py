@@ -49,9 +49,13 @@ def test_a_rank_that_hangs_stops_the_job_after_the_timeout_naming_it(jobs):
 
 @pytest.mark.checkpoint_jobs("restart")
 def test_a_restarted_job_resumes_from_the_last_checkpoint_and_finishes(jobs, reference):
-    proc = jobs.result("restart")  # --max-restarts 1, rank 1 exits at step 7 of the first attempt
+    proc = jobs.result("restart")  # --max-restarts 1, rank 2 of 4 is killed (SIGKILL) at step 7 of attempt 1
     assert_ok(proc)
     out = proc.output_dir
+    # what died, where and how, in dufu's words; the restart on the record
+    assert "worker local rank 2 (pid " in proc.stderr and "died: killed by SIGKILL" in proc.stderr, proc.describe()
+    restarts = [r for r in records(out) if "restart" in r]
+    assert restarts == [{"step": 5, "restart": 1, "resumed_from": STEP5}]
     # The first attempt started from scratch; only a restart can have resumed.
     assert f"resumed from {out / 'checkpoints' / STEP5} (step 5)" in proc.stdout
     assert sorted(train_records(out)) == list(range(1, 11))  # steps 6 and 7 of attempt 1 not kept twice
