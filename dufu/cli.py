@@ -87,6 +87,10 @@ def cmd_train(argv: list[str]) -> int:
     parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (torchrun --node-rank)")
     parser.add_argument("--master-addr", default=None, help="address of node 0 (torchrun --master-addr)")
     parser.add_argument("--master-port", type=int, default=None, help="port on node 0 (torchrun --master-port)")
+    parser.add_argument("--rdzv-endpoint", default=None,
+                        help="HOST:PORT of the rendezvous of an elastic job (torchrun's c10d rendezvous); with "
+                             "--nnodes MIN:MAX nodes may leave and join, the job restarts at the new world size")
+    parser.add_argument("--rdzv-id", default=None, help="the job's id at the rendezvous (the same on every node)")
     parser.add_argument("--max-restarts", type=int, default=None,
                         help="restart a failed job up to N times, resuming from the last complete checkpoint")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.train_iter=100 optim.lr=1e-3")
@@ -139,22 +143,26 @@ def launch(args, config, overrides, cfg) -> int:
     from dufu.parallel.launch import torchrun_command
     from dufu.engine.preflight import preflight
 
-    nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
+    nodes = [int(n) for n in str(args.nnodes).split(":")] if args.nnodes else [1]
+    nnodes = nodes[-1]
     if args.max_restarts and not cfg.train.checkpointer.get("period"):
         raise DufuError(
             f"--max-restarts {args.max_restarts} with periodic checkpoints turned off "
             f"(train.checkpointer.period={cfg.train.checkpointer.get('period')!r}): a restarted job resumes from the "
             "last checkpoint, and there would be none, so every restart would begin again at step 0. Set "
             "train.checkpointer.period to a number of steps (e.g. train.checkpointer.period=100).")
-    preflight(cfg, world_size=args.nproc * nnodes,
-              resume=True if args.resume else ("auto" if args.max_restarts else False))
+    resume = True if args.resume else ("auto" if args.max_restarts else False)
+    if len(nodes) > 1 and nodes[0] != nodes[-1]:  # elastic: the layout is derived again at every world size
+        check_elastic_range(cfg, args.nproc, nodes[0], nodes[-1], resume)
+    else:
+        preflight(cfg, world_size=args.nproc * nnodes, resume=resume)
     argv = ([config] if config else []) + overrides
     if args.resume or args.max_restarts:
         # A restarted worker group must continue from the last complete checkpoint, not start over.
         argv.append("--resume-if-exists" if not args.resume else "--resume")
     cmd = torchrun_command(args.nproc, argv, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, master_port=args.master_port,
-                           max_restarts=args.max_restarts,
+                           max_restarts=args.max_restarts, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
                            shutdown_timeout=cfg.train.preemption.get("grace_seconds", 120))
     code = run_torchrun(cmd)
     from dufu.engine.preemption import PREEMPTED_EXIT_CODE, read_marker
@@ -165,6 +173,24 @@ def launch(args, config, overrides, cfg) -> int:
               "continue with --resume", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     return code
+
+
+def check_elastic_range(cfg, nproc: int, min_nodes: int, max_nodes: int, resume) -> None:
+    """An elastic job (``--nnodes MIN:MAX``) restarts at whatever world size its nodes make: every one from the
+    smallest to the largest must hold the layout (a size of -1, usually data_parallel_size, is inferred each
+    time; the global batch stays, the accumulation steps follow)."""
+    from dufu.engine.preflight import preflight
+    from dufu.errors import LayoutError
+
+    for nodes in range(min_nodes, max_nodes + 1):
+        try:
+            preflight(cfg, world_size=nproc * nodes, resume=resume)
+        except LayoutError as e:
+            raise LayoutError(
+                f"--nnodes {min_nodes}:{max_nodes} lets the job run on {nodes} node(s) x {nproc} processes = "
+                f"{nodes * nproc}, and that world cannot hold the layout: {e} For an elastic job, set the "
+                "size that should follow the world to -1 (e.g. train.dist.data_parallel_size=-1) and a "
+                "train.global_batch_size every world divides.") from None
 
 
 def run_torchrun(cmd: list[str]) -> int:

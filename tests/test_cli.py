@@ -121,6 +121,17 @@ def test_max_restarts_without_periodic_checkpoints_is_refused(tmp_path, capsys):
     assert not out.exists()
 
 
+def test_an_elastic_range_whose_smallest_world_cannot_hold_the_layout_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    argv = ["train", "gpt_debug", "--nproc", "2", "--nnodes", "1:2", "--rdzv-endpoint", "localhost:29999",
+            "train.dist.tensor_parallel_size=4", "train.dist.data_parallel_size=-1", *TINY,
+            f"train.output_dir={out}"]
+    assert main(argv) == 2
+    assert_one_paragraph_error(capsys.readouterr().err, "--nnodes 1:2 lets the job run on 1 node(s) x 2 processes = 2",
+                               "cannot infer train.dist.data_parallel_size", "train.dist.data_parallel_size=-1")
+    assert not out.exists()
+
+
 def test_unknown_option_and_command(capsys):
     assert main(["train", "gpt_debug", "--frobnicate"]) == 2
     assert_one_paragraph_error(capsys.readouterr().err, "unknown option(s) --frobnicate")

@@ -7,7 +7,9 @@
 * ``kill_in_save:R:S``  rank R SIGKILLs its whole job in the middle of writing the step-S checkpoint
                         (after the shards are written, before the checkpoint is committed)
 * ``nan:R:S``           rank R's loss becomes NaN at step S
-* ``kill:R:S``          rank R is killed with SIGKILL at the start of step S (a lost process or node)
+* ``kill:R:S``          rank R is killed with SIGKILL at the start of step S (a lost process)
+* ``kill_node:R:S``     rank R SIGKILLs its torchrun agent and itself at the start of step S (a lost node: the
+                        node's other workers are left without their agent and stop at the collective timeout)
 * ``term:R:S``, ``usr1:R:S``  rank R sends SIGTERM / SIGUSR1 to its job at the start of step S, as a scheduler
                         preempting it would: to its torchrun agent (the launcher) if it has one, else to itself
 
@@ -46,6 +48,10 @@ def at_step_start(step: int) -> None:
         os._exit(1)
     if should_fire("kill", step):
         os.kill(os.getpid(), signal.SIGKILL)
+    if should_fire("kill_node", step):
+        if "TORCHELASTIC_RUN_ID" in os.environ:
+            os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
     if should_fire("hang", step):
         while True:
             time.sleep(3600)
@@ -69,7 +75,7 @@ def install(trainer) -> None:
     ``nan`` after the step's backward (the first gradient and the loss become NaN on that rank only, after
     any gradient reduction, as a local overflow would). Wraps this object's ``train_step`` and
     ``forward_backward``; nothing happens without ``DUFU_FAULT``."""
-    if not any(kind in ("exit", "kill", "hang", "nan", "term", "usr1") for kind, _, _ in _faults()):
+    if not any(kind in ("exit", "kill", "kill_node", "hang", "nan", "term", "usr1") for kind, _, _ in _faults()):
         return
     train_step, forward_backward = trainer.train_step, trainer.forward_backward
 

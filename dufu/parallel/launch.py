@@ -56,11 +56,14 @@ def finish_distributed(exit_code: int = 0) -> None:
 def torchrun_command(nproc: int, argv: list[str], nnodes: str | None = None, node_rank: int | None = None,
                      master_addr: str | None = None, master_port: int | None = None,
                      max_restarts: int | None = None, command: str = "train",
-                     shutdown_timeout: int | None = None) -> list[str]:
+                     shutdown_timeout: int | None = None, rdzv_endpoint: str | None = None,
+                     rdzv_id: str | None = None) -> list[str]:
     """``python -m torch.distributed.run ... -m dufu COMMAND ARGV`` (``train``, or ``eval``)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}"]
-    if nnodes is None and master_addr is None:
+    if nnodes is None and master_addr is None and rdzv_endpoint is None:
         cmd.append("--standalone")
+    if rdzv_endpoint is not None:  # elastic membership: torchrun's c10d rendezvous (the first node hosts it)
+        cmd += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}", f"--rdzv-id={rdzv_id or 'dufu'}"]
     if nnodes is not None:
         cmd.append(f"--nnodes={nnodes}")
     if node_rank is not None:
