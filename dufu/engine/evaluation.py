@@ -88,7 +88,7 @@ def _loss_sums(trainer, dataset, n_batches: int) -> tuple[torch.Tensor, torch.Te
                 for k in range(0, per_rank, trainer.micro_batch_size):
                     mb = {key: v[k:k + trainer.micro_batch_size] for key, v in inputs.items()}
                     out = trainer.model(**mb)
-                    total += local_scalar(out.loss) * trainer.target_weight(mb)
+                    total += local_scalar(trainer.weighted(out.loss, mb))
                     if classification:
                         correct += num_correct(out.logits, mb["labels"]) / G
     return total, correct, classification

@@ -86,6 +86,8 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
             "its output and the labels. Use a model with a task head (e.g. a *ForMaskedLM or *ForSequence"
             "Classification class), or pipeline_parallel_size=1."
         )
+    if dims.cp_enabled:
+        refuse_with_context_parallel(cfg, model)
     if cfg.get("distill") is not None:  # the teacher exists, the weights make sense, the vocabularies agree
         from dufu.engine.distill import check_teacher
 
@@ -148,6 +150,25 @@ def check_validation_set(cfg, valid_ds, global_batch_size: int) -> None:
             "and evaluation runs whole global batches. Raise dataloader.train.valid_fraction, lower "
             "train.global_batch_size, or set train.evaluation.enabled=False."
         )
+
+
+def refuse_with_context_parallel(cfg, model) -> None:
+    """What context parallelism does not take yet, refused before any worker starts (each would silently change
+    the numbers: masks from restarting positions, a teacher not split like the student, tokens added inside)."""
+    data = cfg.dataloader.train
+    why = None
+    if data.get("packing") or data.get("document_mask"):
+        why = ("packed samples and document masks (dataloader.train.packing / document_mask) need block-causal masks "
+               "over the whole sequence; turn them off")
+    elif cfg.get("distill") is not None:
+        why = "distillation's teacher is not split by sequence; train the student without the distill section"
+    elif getattr(model, "delta_info", None) is not None and set(model.delta_info.kinds) & {"PrefixTuning",
+                                                                                             "PromptTuning"}:
+        why = (f"{' and '.join(sorted(set(model.delta_info.kinds) & {'PrefixTuning', 'PromptTuning'}))} add tokens to "
+               "every sequence; LoRA, adapters, BitFit and freezing work with it")
+    if why:
+        raise LayoutError(f"train.dist.context_parallel_size {cfg.train.dist.context_parallel_size}: {why}, or set "
+                          "train.dist.context_parallel_size=1.")
 
 
 def build_model(cfg, tokenizer, seq_length: int) -> nn.Module:

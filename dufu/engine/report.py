@@ -293,3 +293,27 @@ def summary_text(s: dict, output_dir) -> str:
         lines.append(f"{prompt}\u2502{text}")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def sample_text(trainer) -> list[tuple[str, str]]:
+    """A few generated continuations (all ranks take part under TP/FSDP; not under pipeline parallelism; under
+    context parallelism every rank runs the whole prompt, its chunking paused)."""
+    import contextlib
+
+    from dufu.engine.generate import generate
+
+    g = trainer.cfg.train.get("generation", {})
+    if not g.get("enabled", False) or trainer.schedule is not None:
+        return []
+    out = []
+    gen = torch.Generator(device=trainer.device).manual_seed(trainer.cfg.train.seed)
+    for prompt in g.get("prompts", []):
+        ids = torch.tensor([trainer.tokenizer.encode(prompt)], device=trainer.device)
+        with trainer.autocast(loss=False), (trainer.cp.paused() if trainer.cp else contextlib.nullcontext()):
+            full = generate(
+                trainer.model, ids, g.get("max_new_tokens", 64), temperature=g.get("temperature", 0.8),
+                top_k=g.get("top_k"), top_p=g.get("top_p"),
+                max_context=getattr(trainer.model, "max_position_embeddings", None), generator=gen,
+            )
+        out.append((prompt, trainer.tokenizer.decode(full[0, ids.shape[1]:].tolist())))
+    return out

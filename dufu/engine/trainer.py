@@ -29,7 +29,6 @@ from dufu.engine.batch import count_loss_targets, local_scalar, to_model_inputs
 from dufu.engine.checkpoint import Checkpointer
 from dufu.errors import CheckpointError
 from dufu.engine.evaluation import evaluate
-from dufu.engine.generate import generate
 from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.precision import agree, choose_precision
 from dufu.engine.moe_monitor import MoEMonitor
@@ -38,6 +37,7 @@ from dufu.engine.preflight import model_to_split, plan_run, with_kwargs
 from dufu.engine.distill import Teacher
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
+from dufu.parallel.context_parallel import build_context_parallel
 from dufu.parallel.compile import decide_compile
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
 from dufu.parallel.launch import init_distributed
@@ -81,7 +81,9 @@ class Trainer:
         self.expert_mesh = self.dims.build_expert_mesh(self.device.type) if self.dims.ep_enabled else None
         # A gloo group used only to find unresponsive ranks when a collective fails (works beside NCCL too).
         self.health_group = dist.new_group(backend="gloo") if self.world_size > 1 else None
-        self.pp_rank, self.dp_rank, self.tp_rank = self.mesh.get_coordinate() if self.mesh is not None else (0, 0, 0)
+        self.pp_rank, data_rank, self.tp_rank = self.mesh.get_coordinate() if self.mesh is not None else (0, 0, 0)
+        # the mesh's data axis is dp x cp (cp inner): this rank's samples are those of data rank data_rank // cp
+        self.dp_rank, self.cp = divmod(data_rank, self.dims.context_parallel_size)[0], build_context_parallel(self)
         # The dtype: rank 0 measures the device (train.amp.enabled="auto" picks the faster), every rank follows.
         self.precision = agree(choose_precision(t.amp.enabled, t.amp.dtype, self.device, t.get("peak_tflops"))
                                if self.is_main else None, self.health_group)
@@ -134,7 +136,7 @@ class Trainer:
             data_parallel=self.dims.dp_enabled, zero_stage=zero.stage if zero.enabled else None,
             activation_checkpoint=(t.activation_checkpoint.get("mode", "full")
                                    if t.activation_checkpoint.enabled else None),
-            compile=self.compile.enabled, expert_mesh=self.expert_mesh,
+            compile=self.compile.enabled, expert_mesh=self.expert_mesh, context_parallel=self.cp,
         )
         if self.pretrained.checkpoint is not None:  # each rank reads the chunks of its own shards (DCP)
             ckpt = self.pretrained.checkpoint
@@ -160,7 +162,7 @@ class Trainer:
         # over the global batch's targets (see target_weight). Distillation: the target carries the teacher's logits.
         loss, target = self.teacher.stage_loss(output, target) if self.teacher else (self.stage_loss_fn(output, target),
                                                                                       target)
-        loss = loss * self.target_weight({"labels": target}) * self.num_accumulation_steps
+        loss = self.weighted(loss, {"labels": target}) * self.num_accumulation_steps
         # The schedule runs backward itself, so fp16 loss scaling happens here (undone for logging).
         return loss * self.scaler.scale if self.scaler is not None else loss
 
@@ -168,7 +170,7 @@ class Trainer:
         """The number of targets in the global batch whose local part is ``batches``, for target_weight:
         summed over data-parallel ranks (tensor and pipeline peers hold the same samples)."""
         n = sum(count_loss_targets(b).to(self.device, torch.float64) for b in batches)
-        if self.dims.data_parallel_size > 1:
+        if self.dims.data_axis_size > 1:  # (with context parallelism, each rank counts its chunks' targets)
             dist.all_reduce(n, group=self.mesh.get_group("data"))
         self._global_targets = max(float(n.item()), 1.0)
 
@@ -177,7 +179,13 @@ class Trainer:
         averaged over data-parallel ranks (as gradients are) give the mean over all the global batch's targets,
         not the mean of micro-batch means: gradient accumulation and data parallelism then equal one big batch
         when micro-batches hold different numbers of targets (masked LM, SFT with prompt masking)."""
-        return float(count_loss_targets(inputs)) * self.dims.data_parallel_size / self._global_targets
+        return float(count_loss_targets(inputs)) * self.dims.data_axis_size / self._global_targets
+
+    def weighted(self, loss: torch.Tensor, inputs: dict) -> torch.Tensor:
+        """``loss`` x :meth:`target_weight`. A micro-batch without targets (a context-parallel chunk of prompt or
+        padding, whose mean loss is 0 / 0 = nan) adds 0 and a zero gradient, not nan x 0."""
+        weight = self.target_weight(inputs)
+        return loss * weight if weight else loss.nan_to_num(0.0) * 0.0
 
     def unscaled_mean(self, losses: list) -> torch.Tensor:
         """The mean of a schedule's micro-batch losses, without the fp16 loss scale _pipeline_loss applied."""
@@ -189,7 +197,7 @@ class Trainer:
         if self.world_size == 1:
             return local.item()
         share = local.float() * (1.0 if self.parts.last else 0.0)
-        share = share / (self.dims.data_parallel_size * self.dims.tensor_parallel_size)
+        share = share / (self.dims.data_axis_size * self.dims.tensor_parallel_size)
         dist.all_reduce(share)
         return share.item()
 
@@ -214,7 +222,9 @@ class Trainer:
         return (first if self.parts.first else ()), kwargs, target
 
     def batch(self, dataset, indices) -> dict:
-        return {k: v.to(self.device, non_blocking=True) for k, v in to_model_inputs(collate(dataset, indices)).items()}
+        """The samples ``indices`` as model inputs on this device; under context parallelism this rank's chunks."""
+        inputs = {k: v.to(self.device, non_blocking=True) for k, v in to_model_inputs(collate(dataset, indices)).items()}
+        return self.cp.shard_batch(inputs) if self.cp is not None else inputs
 
     def forward_backward(self, micro_batches: list[list[int]]) -> torch.Tensor:
         """This rank's share of the global-batch mean loss, with gradients accumulated (not yet synced)."""
@@ -260,7 +270,7 @@ class Trainer:
         with self.autocast(amp=False):  # the vocabulary-parallel loss, for forward and backward
             with self.autocast(loss=False):  # mixed precision for the forward only
                 loss = self.teacher.loss(self.model, inputs) if self.teacher else self.model(**inputs).loss
-                loss = loss * self.target_weight(inputs)
+                loss = self.weighted(loss, inputs)
             (loss * self.scaler.scale if self.scaler else loss).backward()  # outside autocast (torch's advice)
         total += local_scalar(loss)
 
@@ -376,22 +386,7 @@ class Trainer:
 
     # ------------------------------------------------------------ samples
     def sample_text(self) -> list[tuple[str, str]]:
-        """A few generated continuations (all ranks take part under TP/FSDP; not under pipeline parallelism)."""
-        g = self.cfg.train.get("generation", {})
-        if not g.get("enabled", False) or self.schedule is not None:
-            return []
-        out = []
-        gen = torch.Generator(device=self.device).manual_seed(self.cfg.train.seed)
-        for prompt in g.get("prompts", []):
-            ids = torch.tensor([self.tokenizer.encode(prompt)], device=self.device)
-            with self.autocast(loss=False):
-                full = generate(
-                    self.model, ids, g.get("max_new_tokens", 64), temperature=g.get("temperature", 0.8),
-                    top_k=g.get("top_k"), top_p=g.get("top_p"),
-                    max_context=getattr(self.model, "max_position_embeddings", None), generator=gen,
-                )
-            out.append((prompt, self.tokenizer.decode(full[0, ids.shape[1]:].tolist())))
-        return out
+        return report.sample_text(self)
 
     # ------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:

@@ -208,6 +208,16 @@ class Attention(nn.Module):
                     kv_cache.put(self, k, v)
         if rotary is not None and kv is not None:
             raise ValueError("rotary embeddings apply to self-attention only")
+        cp = getattr(self, "context_parallel", None)  # set by dufu.parallel.context_parallel
+        if cp is not None and cp.active:
+            if (kv is not None or kv_cache is not None or position_bias is not None
+                    or getattr(self, "delta_prefix", None) is not None):
+                raise ValueError("context parallelism splits plain self-attention only: not cross-attention, a "
+                                 "key/value cache, a position bias or prefix tuning's prefix")
+            y = cp.attention(q, k, v, attention_mask, causal=self.causal, scale=self.scale,
+                             dropout_p=self.attention_dropout if self.training else 0.0,
+                             enable_gqa=self.num_key_value_heads != self.num_heads)  # (B, nh_local, T/cp, hs)
+            return self.resid_dropout(self.out_proj(y.transpose(1, 2).reshape(B, T, -1)))
         T_k = k.shape[2]
         bias = None
         whole = False  # a boolean mask says everything, causality included

@@ -83,8 +83,10 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
             "tensor-parallel ranks), but tensor_parallel_size is 1. Set train.dist.tensor_parallel_size > 1 or "
             "turn sequence_parallel off."
         )
+    if dims.context_parallel_size > 1:
+        check_context_parallel(dims.context_parallel_size, model, seq_length)
     zero = zero_cfg.get("enabled", False)
-    if zero and dims.data_parallel_size == 1:
+    if zero and dims.data_axis_size == 1:
         raise LayoutError(
             f"ZeRO stage {zero_cfg.get('stage')} shards state across data-parallel ranks, but data_parallel_size "
             "is 1, so there is nothing to shard. Use more data-parallel ranks (train.dist.data_parallel_size) or "
@@ -143,6 +145,25 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
             f"pipeline_parallel_size {pp}; adjust train.global_batch_size or train.num_accumulation_steps."
         )
     return layer_stage_ids(num_layers, stages, dist_cfg.get("custom_pipeline_stage_id"))
+
+
+def check_context_parallel(cp: int, model, seq_length: int) -> None:
+    """The family can be split by sequence (it says so: ``supports_context_parallel``), and the sequence into
+    2 x cp load-balanced chunks (:mod:`dufu.parallel.context_parallel`)."""
+    if not getattr(model, "supports_context_parallel", False):
+        reason = getattr(model, "context_parallel_unsupported_reason", "") or (
+            "it does not declare that its layers take sequence chunks (supports_context_parallel)")
+        raise LayoutError(
+            f"{type(model).__name__} cannot be split by context parallelism: {_sentence(reason)} "
+            "Set train.dist.context_parallel_size=1 (data, tensor and pipeline parallelism work).")
+    if seq_length % (2 * cp):
+        step = 2 * cp
+        below, above = seq_length // step * step, -(-seq_length // step) * step
+        nearest = " or ".join(str(n) for n in (below, above) if n > 0)
+        raise LayoutError(
+            f"context parallelism cuts each sequence into 2 x cp = {step} chunks (two per rank, for balanced causal "
+            f"work), but seq_length {seq_length} / {step} = {seq_length / step:g} is not whole. Use a sequence "
+            f"length divisible by {step} (nearest: {nearest}), or another context_parallel_size.")
 
 
 def _sentence(reason: str) -> str:

@@ -9,6 +9,13 @@ dp=2, tp=2, pp=2::
     pipeline stage 0: ranks 0 1 2 3     tensor groups [0,1] [2,3]
     pipeline stage 1: ranks 4 5 6 7     data groups   [0,2] [1,3]
 
+Context parallelism (``context_parallel_size``, cp) is a fourth factor of the world, dp x cp x tp x pp, between
+data and tensor: the trainer's 3-D mesh has a data axis of dp x cp ranks (cp inner), over which gradients are
+averaged and ZeRO shards (cp ranks hold the same parameters, as in torchtitan), and :meth:`build_context_mesh`
+sees the same ranks as ("pipeline", "data", "context", "tensor"). With 8 ranks and dp 2, cp 2, tp 2: context
+groups [0,2] [1,3] [4,6] [5,7], data groups (the same samples' other half) [0,4] [1,5] [2,6] [3,7], gradient
+averaging over [0,2,4,6] and [1,3,5,7] (:mod:`dufu.parallel.context_parallel`).
+
 Expert parallelism (``expert_parallel_size``, ep) is carved out of the data axis, as in Megatron-core and
 torchtitan: the world stays dp x tp x pp, and the ``dp`` data-parallel ranks are ``dp / ep`` x ``ep``
 (ep inner): dp 4, ep 2 -> expert groups [0,1] [2,3] of data ranks (see :mod:`dufu.parallel.expert_parallel`).
@@ -29,6 +36,7 @@ class ParallelDims:
     pipeline_parallel_size: int = 1
     world_size: int = 1
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1
 
     def __post_init__(self):
         self._resolve()
@@ -41,10 +49,11 @@ class ParallelDims:
             pipeline_parallel_size=dist_cfg.get("pipeline_parallel_size", 1),
             world_size=world_size,
             expert_parallel_size=dist_cfg.get("expert_parallel_size", 1),
+            context_parallel_size=dist_cfg.get("context_parallel_size", 1),
         )
 
     def _resolve(self) -> None:
-        names = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
+        names = ("data_parallel_size", "context_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
         sizes = {n: getattr(self, n) for n in names}
         for n, v in sizes.items():
             if not isinstance(v, int) or isinstance(v, bool) or (v < 1 and v != -1):
@@ -70,7 +79,8 @@ class ParallelDims:
                 )
             setattr(self, inferred[0], self.world_size // known)
             sizes[inferred[0]] = self.world_size // known
-        product = self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+        product = (self.data_parallel_size * self.context_parallel_size * self.tensor_parallel_size
+                   * self.pipeline_parallel_size)
         if product != self.world_size:
             raise LayoutError(
                 f"the parallel sizes do not multiply to the world size: {self._arith(sizes)} = {product}, "
@@ -88,15 +98,23 @@ class ParallelDims:
                 f"{self.data_parallel_size} / {ep} = {self.data_parallel_size / ep:g}. Use an expert-parallel size "
                 f"among {[d for d in range(1, self.data_parallel_size + 1) if self.data_parallel_size % d == 0]}, "
                 "or more data-parallel ranks.")
+        if ep > 1 and self.context_parallel_size > 1:
+            raise LayoutError(
+                f"train.dist.expert_parallel_size {ep} with context_parallel_size {self.context_parallel_size}: "
+                "the two are not supported together (experts are carved out of the data ranks, which context "
+                "parallelism splits further); set one of them to 1.")
 
     @staticmethod
     def _arith(sizes: dict, skip: Optional[str] = None) -> str:
-        short = {"data_parallel_size": "dp", "tensor_parallel_size": "tp", "pipeline_parallel_size": "pp"}
-        return " x ".join(f"{short[n]} {v}" for n, v in sizes.items() if n != skip)
+        short = {"data_parallel_size": "dp", "context_parallel_size": "cp", "tensor_parallel_size": "tp",
+                 "pipeline_parallel_size": "pp"}
+        return " x ".join(f"{short[n]} {v}" for n, v in sizes.items()
+                          if n != skip and not (n == "context_parallel_size" and v == 1))
 
     @property
     def dp_enabled(self) -> bool:
-        return self.data_parallel_size > 1
+        """Gradients are averaged (and ZeRO can shard) over more than one rank: dp x cp > 1."""
+        return self.data_axis_size > 1
 
     @property
     def tp_enabled(self) -> bool:
@@ -110,20 +128,31 @@ class ParallelDims:
     def ep_enabled(self) -> bool:
         return self.expert_parallel_size > 1
 
+    @property
+    def cp_enabled(self) -> bool:
+        return self.context_parallel_size > 1
+
+    @property
+    def data_axis_size(self) -> int:
+        """The ranks gradients are averaged over (and ZeRO shards over): dp x cp."""
+        return self.data_parallel_size * self.context_parallel_size
+
     def describe(self) -> str:
         ep = f" (experts over ep {self.expert_parallel_size} within dp)" if self.ep_enabled else ""
+        cp = f" x cp {self.context_parallel_size}" if self.cp_enabled else ""
         return (
-            f"dp {self.data_parallel_size} x tp {self.tensor_parallel_size} x pp {self.pipeline_parallel_size}"
+            f"dp {self.data_parallel_size}{cp} x tp {self.tensor_parallel_size} x pp {self.pipeline_parallel_size}"
             f" = {self.world_size} process{'es' if self.world_size > 1 else ''}{ep}"
         )
 
     def build_mesh(self, device_type: str):
-        """The 3-D mesh with axes ("pipeline", "data", "tensor"), LiBai's rank order."""
+        """The 3-D mesh with axes ("pipeline", "data", "tensor"), LiBai's rank order; its data axis holds dp x cp
+        ranks (module docstring)."""
         from torch.distributed.device_mesh import init_device_mesh
 
         return init_device_mesh(
             device_type,
-            (self.pipeline_parallel_size, self.data_parallel_size, self.tensor_parallel_size),
+            (self.pipeline_parallel_size, self.data_axis_size, self.tensor_parallel_size),
             mesh_dim_names=("pipeline", "data", "tensor"),
         )
 
@@ -138,4 +167,16 @@ class ParallelDims:
             device_type,
             (self.pipeline_parallel_size, self.data_parallel_size // ep, ep, self.tensor_parallel_size),
             mesh_dim_names=("pipeline", "expert_data", "expert", "tensor"),
+        )
+
+    def build_context_mesh(self, device_type: str):
+        """The 4-D mesh ("pipeline", "data", "context", "tensor") over the same ranks as :meth:`build_mesh`, its
+        data axis seen as dp x cp: the context-parallel groups (``["context"]``) and each rank's sample rank."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(
+            device_type,
+            (self.pipeline_parallel_size, self.data_parallel_size, self.context_parallel_size,
+             self.tensor_parallel_size),
+            mesh_dim_names=("pipeline", "data", "context", "tensor"),
         )

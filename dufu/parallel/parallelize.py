@@ -2,6 +2,7 @@
 
     1. tensor (+ sequence) parallelism   - from the style each dufu layer declares
        expert parallelism                - the experts of MoE layers over the expert axis (+ their data units)
+       context parallelism               - every attention gets its rank's ContextParallel (sequence chunks)
     2. activation checkpointing          - per transformer block (dufu.parallel.activation_checkpoint)
     3. torch.compile                     - per transformer block (dufu.parallel.compile)
     4. FSDP2 / ZeRO                      - per block, then the root
@@ -29,6 +30,7 @@ def parallelize(
     activation_checkpoint: str | bool | None = None,
     compile: bool = False,
     expert_mesh=None,
+    context_parallel=None,
 ) -> nn.Module:
     """Apply, in this order: TP (+SP) on ``mesh["tensor"]``, activation checkpointing, compile, then
     data parallelism on ``mesh["data"]``: FSDP2 for ZeRO stages 1-3, ``replicate`` (DDP) without ZeRO.
@@ -37,7 +39,7 @@ def parallelize(
     :mod:`dufu.parallel.activation_checkpoint`.
     ``mesh`` is the stage's (data, tensor) DeviceMesh; it may be None on one process. ``expert_mesh``: the
     stage's ("expert_data", "expert") mesh under expert parallelism (:mod:`dufu.parallel.expert_parallel`),
-    else None.
+    else None. ``context_parallel``: the rank's :class:`~dufu.parallel.context_parallel.ContextParallel`, or None.
     """
     if tensor_parallel:
         from dufu.parallel.tensor_parallel import apply_tensor_parallel
@@ -47,6 +49,10 @@ def parallelize(
         from dufu.parallel.expert_parallel import apply_expert_parallel
 
         apply_expert_parallel(model, expert_mesh["expert"])
+    if context_parallel is not None:
+        from dufu.parallel.context_parallel import apply_context_parallel
+
+        apply_context_parallel(model, context_parallel)
     if activation_checkpoint:
         mode = "full" if activation_checkpoint is True else activation_checkpoint
         if expert_mesh is not None and mode == "selective":

@@ -264,7 +264,7 @@ def test_evaluation_reports_each_dataset_and_the_mean_over_all_targets():
         cfg=SimpleNamespace(train=SimpleNamespace(evaluation={"eval_iter": 2})),
         batch=lambda ds, idx: {"input_ids": torch.as_tensor(np.stack([ds[i] for i in idx]))},
         count_global_targets=lambda batches: None, autocast=contextlib.nullcontext,
-        target_weight=lambda mb: 0.5, reduce_loss=lambda t: float(t))
+        weighted=lambda loss, mb: loss * 0.5, reduce_loss=lambda t: float(t))
     ev = evaluate(trainer)
     assert ev["eval_loss/a"] == pytest.approx((1.5 + 5.5) / 2)
     assert ev["eval_loss/b"] == pytest.approx(10.75)

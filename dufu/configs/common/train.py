@@ -66,6 +66,10 @@ train = dict(
         # Mixture-of-experts models: their experts split over this many data-parallel ranks (it divides
         # data_parallel_size; tokens reach their experts by all-to-all). dufu.parallel.expert_parallel
         expert_parallel_size=1,
+        # Long sequences: every sample's tokens split over this many ranks through the whole model (attention
+        # gathers the other ranks' keys/values); a factor of the world, dp x cp x tp x pp.
+        # dufu.parallel.context_parallel
+        context_parallel_size=1,
         sequence_parallel=False,
         pipeline_num_layers=None,
         custom_pipeline_stage_id=None,

@@ -138,6 +138,8 @@ class _BertEncoder(InitByModule, nn.Module):
     ``finish_init()`` at the end of their constructor."""
 
     main_input_name = "input_ids"
+    # Sequence chunks with their global positions and the whole padding mask (dufu.parallel.context_parallel)
+    supports_context_parallel = True
     # Parameters a checkpoint of the bare encoder does not have: they keep this model's own initialisation when
     # loaded with dufu.from_pretrained (a new task head, as transformers does for fine-tuning).
     newly_initialized_prefixes: tuple[str, ...] = ()
@@ -337,6 +339,10 @@ class BertForSequenceClassification(_BertWithHead):
     pipeline_layout = {"blocks": "blocks", "first": ("wte", "wpe", "token_types", "ln_emb"),
                        "last": ("pooler", "classifier_dropout", "classifier")}
     newly_initialized_prefixes = ("pooler.", "classifier.")
+    supports_context_parallel = False
+    context_parallel_unsupported_reason = (
+        "its label belongs to the whole sequence and is read from the first token, which one rank of a context-"
+        "parallel group holds; sequences short enough to classify fit one rank")
 
     def __init__(self, *args, num_labels: int = 2, classifier_dropout: Optional[float] = None, **kwargs):
         super().__init__(*args, **kwargs)

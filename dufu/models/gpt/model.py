@@ -26,6 +26,7 @@ class GPTModel(InitByModule, nn.Module):
     # What pipeline parallelism needs to split this model (see dufu.parallel.pipeline):
     # blocks live in `blocks`; the first stage keeps `first`, the last keeps `last`.
     pipeline_layout = {"blocks": "blocks", "first": ("wte", "wpe"), "last": ("ln_f", "lm_head")}
+    supports_context_parallel = True  # sequence chunks with their global positions (dufu.parallel.context_parallel)
     main_input_name = "input_ids"
     def __init__(
         self,
@@ -149,7 +150,10 @@ class GPTModel(InitByModule, nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                       attention_mask: Optional[torch.Tensor] = None,
                       kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        if position_ids is not None and kv_cache is None:
+        # Under context parallelism (dufu.parallel.context_parallel) position_ids are the global positions of this
+        # rank's chunks, not documents, and the attention builds its own masks.
+        cp = getattr(self, "context_parallel", None)
+        if position_ids is not None and kv_cache is None and not (cp is not None and cp.active):
             attention_mask = document_mask(position_ids, attention_mask)  # once for all blocks
         if self.wte is not None:
             B, T = input_ids.shape

@@ -84,6 +84,7 @@ class LlamaDecoder(InitByModule, nn.Module):
 
     # What pipeline parallelism needs to split this model (see dufu.parallel.pipeline).
     pipeline_layout = {"blocks": "blocks", "first": ("wte",), "last": ("norm", "lm_head")}
+    supports_context_parallel = True  # sequence chunks with their global positions (dufu.parallel.context_parallel)
     main_input_name = "input_ids"
 
     def __init__(
@@ -185,7 +186,10 @@ class LlamaDecoder(InitByModule, nn.Module):
         row). On a later pipeline stage ``input_ids`` are the hidden states (B, T, C) of the stage before (every
         stage gets ``position_ids``). With ``fused_loss`` and labels, ``logits`` is None (see the class
         docstring)."""
-        if position_ids is not None and kv_cache is None:
+        # Under context parallelism (dufu.parallel.context_parallel) position_ids are the global positions of this
+        # rank's chunks, not documents, and the attention builds its own masks.
+        cp = getattr(self, "context_parallel", None)
+        if position_ids is not None and kv_cache is None and not (cp is not None and cp.active):
             attention_mask = document_mask(position_ids, attention_mask)  # once for all blocks
         h = self.drop(self.wte(input_ids)) if self.wte is not None else input_ids  # (B, T, C)
         for block in self.blocks.values():

@@ -48,6 +48,11 @@ class MoEModel(LlamaDecoder):
       ``shared_expert_gate`` its output is scaled by a learned sigmoid gate (Qwen2-MoE);
     * ``moe_layer_freq``, ``mlp_only_layers``: which blocks are MoE blocks (see the module docstring)."""
 
+    supports_context_parallel = False
+    context_parallel_unsupported_reason = (
+        "its load-balancing loss is computed from the router's statistics over the tokens a rank holds, so "
+        "chunks would change it (and experts are carved out of the data ranks, which context parallelism splits)")
+
     def __init__(
         self,
         vocab_size: int,

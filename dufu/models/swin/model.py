@@ -206,6 +206,8 @@ class SwinForImageClassification(InitByModule, nn.Module):
     main_input_name = "pixel_values"
     # Windows need the whole 2-D feature map in every block: no sequence parallelism.
     sequence_parallel_unsupported_reason = "Swin's windows and patch merging need the whole feature map in every block"
+    context_parallel_unsupported_reason = (
+        "its windows and patch merging need the whole feature map in every block")
 
     def __init__(
         self,

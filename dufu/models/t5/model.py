@@ -122,6 +122,10 @@ class _T5Base(InitByModule, nn.Module):
     sequence_parallel_unsupported_reason = (
         "T5's relative position bias and its cross-attention need the whole sequence in every block"
     )
+    context_parallel_unsupported_reason = (
+        "an encoder-decoder: the decoder's cross-attention reads the encoder's whole output and the relative "
+        "position bias is indexed by query-key distance over the whole sequence, which the chunked attention of "
+        "context parallelism does not carry")
 
     def _init_common(self, vocab_size, d_model, d_kv, d_ff, num_layers, num_heads, feed_forward_proj,
                      relative_attention_num_buckets, relative_attention_max_distance, dropout_rate,

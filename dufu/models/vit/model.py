@@ -87,6 +87,9 @@ class ViTForImageClassification(InitByModule, nn.Module):
     pipeline_layout = {"blocks": "blocks", "first": ("embeddings",), "last": ("norm", "classifier")}
     main_input_name = "pixel_values"
     sequence_parallel_unsupported_reason = "ViT's 1 + N positions ([CLS] + patches) are not split across ranks"
+    context_parallel_unsupported_reason = (
+        "an image is a few hundred patches, far from the lengths that need splitting, and the label is read from "
+        "[CLS], which one rank would hold")
 
     def __init__(
         self,
