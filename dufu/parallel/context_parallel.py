@@ -94,8 +94,9 @@ class ContextParallel:
             raise ValueError("context parallelism takes no position_ids from the data (packed samples and document "
                              "masks are not supported with it): turn dataloader.train.packing and document_mask off")
         out = dict(inputs)
-        out["position_ids"] = (self.positions(ids) if self.positions is not None
-                               else torch.arange(T, device=ids.device)[None])  # (1|B, T), global
+        positions = self.positions(ids) if self.positions is not None else torch.arange(T, device=ids.device)[None]
+        # (B, T), global; one row per sample, so a pipeline schedule splits it into micro-batches with the rest
+        out["position_ids"] = positions.expand(ids.shape[0], T)
         index = self.token_index(T, ids.device)
         for key, value in out.items():
             if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == T:

@@ -44,10 +44,10 @@ def test_shard_batch_splits_every_token_tensor_and_adds_global_positions():
     out = cp.shard_batch({"input_ids": ids, "shift_labels": ids + 100, "attention_mask": torch.ones(2, 8)})
     assert out["input_ids"].tolist() == [[2, 3, 4, 5], [10, 11, 12, 13]]
     assert out["shift_labels"].tolist() == [[102, 103, 104, 105], [110, 111, 112, 113]]
-    assert out["position_ids"].tolist() == [[2, 3, 4, 5]] and out["attention_mask"].shape == (2, 4)
+    assert out["position_ids"].tolist() == [[2, 3, 4, 5]] * 2 and out["attention_mask"].shape == (2, 4)
     # a model's own positions (RoBERTa counts from pad_token_id + 1) are computed on the whole sequence
     cp.positions = lambda input_ids: torch.arange(input_ids.shape[1])[None] + 2
-    assert cp.shard_batch({"input_ids": ids})["position_ids"].tolist() == [[4, 5, 6, 7]]
+    assert cp.shard_batch({"input_ids": ids})["position_ids"].tolist() == [[4, 5, 6, 7]] * 2
 
 
 @pytest.mark.parametrize("inputs, fragment", [
@@ -102,8 +102,7 @@ def test_layouts_context_parallelism_cannot_take_fail_at_preflight(case, tmp_pat
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("nproc", [2, 4])
-def test_attention_over_chunks_equals_one_device(nproc, tmp_path):
+def test_attention_over_chunks_equals_one_device(tmp_path, nproc=4):
     """Outputs, input gradients and weight gradients of one attention layer: causal, grouped-query, padded,
     bidirectional with a padding mask or a bias (tests/parallel/context_parallel_worker.py)."""
     worker = launch.REPO / "tests" / "parallel" / "context_parallel_worker.py"

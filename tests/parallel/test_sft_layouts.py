@@ -17,6 +17,8 @@ LAYOUTS = {
     "dp2": ["train.dist.data_parallel_size=2"],
     "tp2-sp": [TP2, "train.dist.sequence_parallel=True"],
     "pp2": ["train.dist.pipeline_parallel_size=2"],
+    # context parallelism: chunks of prompt or padding hold no target and add nothing
+    "cp2": ["train.dist.context_parallel_size=2"],
 }
 
 

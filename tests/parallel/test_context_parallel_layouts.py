@@ -1,0 +1,65 @@
+"""Context parallelism trains to the numbers of one process (fp32, fixed global batch 8, 5 steps: losses within
+1e-5 relative and the final weights), alone and composed with data parallelism, ZeRO-3, tensor + sequence
+parallelism and pipelines, on a causal decoder with rotary positions and grouped-query attention (llama_debug), a
+bidirectional encoder with learned positions (bert_debug, masked LM) and GPT-2's learned positions (gpt_debug, as
+the README's command runs it). A checkpoint saved at cp2 resumes at cp4 and on one process with the uninterrupted
+losses. Supervised fine-tuning whose targets are the responses only (many chunks hold no target at all) runs at
+cp2 in test_sft_layouts.py.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+import launch
+from parity import assert_losses_match, assert_matches_reference, parity_run, train_records
+
+pytestmark = pytest.mark.multiprocess
+
+CP2, CP4 = "train.dist.context_parallel_size=2", "train.dist.context_parallel_size=4"
+DP2, TP2, PP2 = ("train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2",
+                 "train.dist.pipeline_parallel_size=2")
+ZERO3 = ("train.zero_optimization.enabled=True", "train.zero_optimization.stage=3")
+SP = "train.dist.sequence_parallel=True"
+# id: (recipe, processes, overrides). Each composition once, on the family where it differs most: rotary positions
+# and grouped-query heads (llama_debug) with ZeRO-3, TP + SP, pipelines and cp4; the bidirectional encoder with
+# learned positions and post-norm blocks (bert_debug) with plain data parallelism (DDP) and TP + SP; cp2 alone
+# runs in the GPT, SFT and resume tests below.
+LAYOUTS = {
+    "llama-cp4": ("llama_debug", 4, [CP4]),
+    "llama-dp2-cp2-zero3": ("llama_debug", 4, [DP2, CP2, *ZERO3]),
+    "llama-cp2-tp2-sp": ("llama_debug", 4, [CP2, TP2, SP]),
+    "llama-cp2-pp2": ("llama_debug", 4, [CP2, PP2]),
+    "bert-dp2-cp2": ("bert_debug", 4, [DP2, CP2]),
+    "bert-cp2-tp2-sp": ("bert_debug", 4, [CP2, TP2, SP]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_context_parallel_layout_matches_single_process(layout, recipe_reference, tmp_path):
+    recipe, nproc, overrides = LAYOUTS[layout]
+    got = parity_run(tmp_path / layout, nproc, *overrides, config=recipe)
+    assert_matches_reference(got, recipe_reference(recipe), layout)
+
+
+def test_gpt_debug_at_cp2_gives_the_losses_of_one_process(parity_reference, tmp_path):
+    """``dufu train gpt_debug --nproc 2 train.dist.context_parallel_size=2`` (learned absolute positions)."""
+    got = parity_run(tmp_path / "cp2", 2, CP2, "model.num_layers=2")
+    assert_matches_reference(got, parity_reference(2), "gpt_debug cp2")
+
+
+def test_a_cp2_checkpoint_resumes_at_cp4_and_on_one_process(recipe_reference, tmp_path):
+    reference = recipe_reference("llama_debug")
+    first = tmp_path / "cp2"
+    parity_run(first, 2, CP2, "train.stop_at_iter=3", "train.checkpointer.period=3", config="llama_debug",
+               weights=False)
+    expected = {s: r["loss"] for s, r in train_records(reference.output_dir).items()}
+    for name, nproc, cp in [("cp4", 4, CP4), ("one", 1, "train.dist.context_parallel_size=1")]:
+        out = tmp_path / name
+        shutil.copytree(first, out)
+        proc = launch.run(launch.train_command(out / "config.yaml", out, nproc, cp, resume=True),
+                          output_dir=out, timeout=600)
+        launch.assert_ok(proc)
+        assert_losses_match(out, expected, steps=[4, 5])
