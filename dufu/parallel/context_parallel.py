@@ -107,12 +107,7 @@ class ContextParallel:
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """All ranks' tokens of ``x`` along ``dim``, in sequence order; differentiable (the backward sums each
         token's gradient from every rank's queries and returns it to the rank that holds the token)."""
-        if self._gather is not None:
-            parts = self._gather(x, dim)
-        else:
-            from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
-
-            parts = wait_tensor(all_gather_single_autograd(x.contiguous(), dim, self.group))  # rank order
+        parts = self._gather(x, dim) if self._gather is not None else _GatherSequence.apply(x, dim, self.group)
         order = self.global_order(parts.shape[dim], x.device)
         return parts.index_select(dim, order)
 
@@ -149,6 +144,31 @@ class ContextParallel:
             out.append(F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], k[:, :, :end], v[:, :, :end],
                                                       attn_mask=mask, **kw))  # (B, nh, c, hs)
         return torch.cat(out, dim=2)  # (B, nh, T/cp, hs)
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along ``dim`` (ranks' parts in rank order); backward: reduce-scatter of the gradient, so each
+    rank gets the sum over all ranks' uses of its own part. Written as a Function around torch's functional
+    collectives (not their autograd variant) so that selective activation checkpointing, which keeps the
+    collectives' outputs (dufu.parallel.activation_checkpoint), replays the forward with the same saved tensors."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        from torch.distributed._functional_collectives import all_gather_tensor
+
+        ctx.dim, ctx.group = dim, group
+        return _waited(all_gather_tensor(x.contiguous(), dim, group))
+
+    @staticmethod
+    def backward(ctx, grad):
+        from torch.distributed._functional_collectives import reduce_scatter_tensor
+
+        return _waited(reduce_scatter_tensor(grad.contiguous(), "sum", ctx.dim, ctx.group)), None, None
+
+
+def _waited(t: torch.Tensor) -> torch.Tensor:
+    """A functional collective's result as a plain tensor (its AsyncCollectiveTensor waited for)."""
+    return t.wait() if hasattr(t, "wait") else t
 
 
 def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:

@@ -32,6 +32,9 @@ LAYOUTS = {
     "llama-dp2-cp2-zero3": ("llama_debug", 4, [DP2, CP2, *ZERO3]),
     "llama-cp2-tp2-sp": ("llama_debug", 4, [CP2, TP2, SP]),
     "llama-cp2-pp2": ("llama_debug", 4, [CP2, PP2]),
+    # selective checkpointing keeps the K/V all-gather's output and replays the forward without communicating
+    "llama-cp2-selective-checkpointing": ("llama_debug", 2, [CP2, "train.activation_checkpoint.enabled=True",
+                                                             "train.activation_checkpoint.mode=selective"]),
     "bert-dp2-cp2": ("bert_debug", 4, [DP2, CP2]),
     "bert-cp2-tp2-sp": ("bert_debug", 4, [CP2, TP2, SP]),
 }
