@@ -14,7 +14,7 @@ import shutil
 import pytest
 
 import launch
-from parity import assert_losses_match, assert_matches_reference, parity_run, train_records
+from parity import EVAL_ARGS, assert_losses_match, assert_matches_reference, parity_run, train_records
 
 pytestmark = pytest.mark.multiprocess
 
@@ -48,9 +48,10 @@ def test_context_parallel_layout_matches_single_process(layout, recipe_reference
 
 
 def test_gpt_debug_at_cp2_gives_the_losses_of_one_process(parity_reference, tmp_path):
-    """``dufu train gpt_debug --nproc 2 train.dist.context_parallel_size=2`` (learned absolute positions)."""
-    got = parity_run(tmp_path / "cp2", 2, CP2, "model.num_layers=2")
-    assert_matches_reference(got, parity_reference(2), "gpt_debug cp2")
+    """``dufu train gpt_debug --nproc 2 train.dist.context_parallel_size=2`` (learned absolute positions), with
+    validation before and after training (evaluation splits its batches the same way)."""
+    got = parity_run(tmp_path / "cp2", 2, CP2, "model.num_layers=2", *EVAL_ARGS)
+    assert_matches_reference(got, parity_reference(2, *EVAL_ARGS), "gpt_debug cp2")
 
 
 def test_a_cp2_checkpoint_resumes_at_cp4_and_on_one_process(recipe_reference, tmp_path):
