@@ -133,6 +133,10 @@ class ContextParallel:
             mask = keep if keep is not None else bias
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
         c, out = Tl // 2, []
+        if keep is None and bias is None and dropout_p == 0.0 and q.device.type == "cpu":
+            if enable_gqa and k.shape[1] != q.shape[1]:  # the kernel below takes as many K/V heads as queries
+                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+            return _CausalChunks.apply(q, k, v, self.chunk_ids(), scale)
         for j, a in enumerate(self.chunk_ids()):
             end = (a + 1) * c  # chunk a sees keys 0 .. end-1 (the chunks before it and itself, causally)
             qi = torch.arange(a * c, end, device=q.device)[:, None]  # (c, 1) global query positions
@@ -144,6 +148,60 @@ class ContextParallel:
             out.append(F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], k[:, :, :end], v[:, :, :end],
                                                       attn_mask=mask, **kw))  # (B, nh, c, hs)
         return torch.cat(out, dim=2)  # (B, nh, T/cp, hs)
+
+
+class _CausalChunks(torch.autograd.Function):
+    """Causal attention of the rank's two query chunks (chunk ids ``a``) over the gathered keys, without a mask:
+    each chunk attends to the keys before it (no mask) and to its own chunk (square, causal), two fused-kernel
+    calls whose outputs merge by their log-sum-exps; the backward runs each call's kernel backward with the merged
+    output and log-sum-exp, which gives each part's exact gradients (the merge of ring attention, Liu et al.
+    2023). Why: a (chunk x keys) mask, which SDPA would otherwise need for a causal mask not aligned to the
+    top-left, is (2cp+1)(T/2cp)^2 values that each layer keeps for its backward (benchmarks/context_parallel.py
+    measured them at 83% of a rank's saved activations at T = 16K), and the kernel then skips no masked block.
+    CPU only: torch's fused CPU kernel returns its log-sum-exp through ``_scaled_dot_product_flash_attention_for_cpu``;
+    other devices take the masked path of :meth:`ContextParallel.attention`."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, chunk_ids, scale):
+        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+        c = q.shape[2] // 2
+        outs, lses = [], []
+        for j, a in enumerate(chunk_ids):
+            qj = q[:, :, j * c:(j + 1) * c]
+            o, lse = flash(qj, k[:, :, a * c:(a + 1) * c], v[:, :, a * c:(a + 1) * c], 0.0, True, scale=scale)
+            if a > 0:  # the chunks before: every key visible
+                o_past, lse_past = flash(qj, k[:, :, :a * c], v[:, :, :a * c], 0.0, False, scale=scale)
+                merged = torch.logaddexp(lse, lse_past)  # (B, nh, c), fp32
+                o = ((lse - merged).exp()[..., None] * o.float()
+                     + (lse_past - merged).exp()[..., None] * o_past.float()).to(q.dtype)
+                lse = merged
+            outs.append(o)
+            lses.append(lse)
+        ctx.chunk_ids, ctx.scale = tuple(chunk_ids), scale
+        ctx.save_for_backward(q, k, v, *outs, *lses)
+        return torch.cat(outs, dim=2)  # (B, nh, 2c, hs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+        q, k, v, o0, o1, lse0, lse1 = ctx.saved_tensors
+        c = q.shape[2] // 2
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for j, (a, o, lse) in enumerate(zip(ctx.chunk_ids, (o0, o1), (lse0, lse1))):
+            rows = slice(j * c, (j + 1) * c)
+            g, qj = grad[:, :, rows].contiguous(), q[:, :, rows]
+            own = slice(a * c, (a + 1) * c)
+            gq, gk, gv = backward(g, qj, k[:, :, own], v[:, :, own], o, lse, 0.0, True, scale=ctx.scale)
+            dq[:, :, rows] += gq
+            dk[:, :, own] += gk
+            dv[:, :, own] += gv
+            if a > 0:
+                past = slice(0, a * c)
+                gq, gk, gv = backward(g, qj, k[:, :, past], v[:, :, past], o, lse, 0.0, False, scale=ctx.scale)
+                dq[:, :, rows] += gq
+                dk[:, :, past] += gk
+                dv[:, :, past] += gv
+        return dq, dk, dv, None, None
 
 
 class _GatherSequence(torch.autograd.Function):
