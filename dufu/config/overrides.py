@@ -29,8 +29,9 @@ SWITCH_OR_CHOICE = frozenset({"train.amp.enabled", "train.compile.enabled"})
 # its own type.
 AUTO_KEYS = (
     "train.dist.data_parallel_size", "train.dist.tensor_parallel_size", "train.dist.pipeline_parallel_size",
-    "train.dist.expert_parallel_size", "train.dist.sequence_parallel", "train.dist.virtual_pipeline_size", "train.train_micro_batch_size",
-    "train.zero_optimization.stage", "train.activation_checkpoint.enabled",
+    "train.dist.expert_parallel_size", "train.dist.context_parallel_size", "train.dist.sequence_parallel",
+    "train.dist.virtual_pipeline_size", "train.train_micro_batch_size", "train.zero_optimization.stage",
+    "train.activation_checkpoint.enabled",
 )
 # Keys a config need not define, with the type an override gives them: train.dist.auto=True lets the planner
 # choose every layout setting above.

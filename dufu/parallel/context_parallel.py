@@ -49,6 +49,9 @@ class ContextParallel:
         self.positions = positions
         self._gather = gather  # tests: a stand-in for the all-gather
         self.active = True
+        # The mask-free causal kernel (_CausalChunks) where the device has it (the CPU); the planner's trace of a
+        # GPU step, which runs on fake CPU tensors, sets the device it stands for.
+        self.device_type: Optional[str] = None
 
     # ------------------------------------------------------------------------------------------------ layout
     def chunk_ids(self, rank: Optional[int] = None) -> tuple[int, int]:
@@ -133,7 +136,7 @@ class ContextParallel:
             mask = keep if keep is not None else bias
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
         c, out = Tl // 2, []
-        if keep is None and bias is None and dropout_p == 0.0 and q.device.type == "cpu":
+        if keep is None and bias is None and dropout_p == 0.0 and (self.device_type or q.device.type) == "cpu":
             if enable_gqa and k.shape[1] != q.shape[1]:  # the kernel below takes as many K/V heads as queries
                 k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
             return _CausalChunks.apply(q, k, v, self.chunk_ids(), scale)

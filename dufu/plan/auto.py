@@ -109,6 +109,9 @@ def _apply(cfg, layout: dict) -> None:
     ep = layout.get("expert_parallel_size", 1)
     if ep > 1 or "expert_parallel_size" in d:
         d.expert_parallel_size = ep
+    cp = layout.get("context_parallel_size", 1)
+    if cp > 1 or "context_parallel_size" in d:
+        d.context_parallel_size = cp
     t.train_micro_batch_size = layout["micro_batch_size"]
     if t.get("global_batch_size") is None:
         t.num_accumulation_steps = layout["num_accumulation_steps"]
@@ -124,7 +127,7 @@ def _apply(cfg, layout: dict) -> None:
 RESOLVED_KEYS = ("train.dist.data_parallel_size", "train.dist.tensor_parallel_size",
                  "train.dist.pipeline_parallel_size", "train.dist.sequence_parallel",
                  "train.dist.virtual_pipeline_size", "train.dist.pipeline_schedule",
-                 "train.dist.expert_parallel_size", "train.train_micro_batch_size",
+                 "train.dist.expert_parallel_size", "train.dist.context_parallel_size", "train.train_micro_batch_size",
                  "train.num_accumulation_steps", "train.zero_optimization.enabled", "train.zero_optimization.stage",
                  "train.activation_checkpoint.enabled", "train.activation_checkpoint.mode")
 
@@ -135,8 +138,9 @@ def resolved_overrides(cfg) -> list[str]:
 
     out = ["train.dist.auto=False"] if "auto" in cfg.train.dist else []
     for key in RESOLVED_KEYS:
-        if key == "train.dist.expert_parallel_size" and "expert_parallel_size" not in cfg.train.dist:
-            continue  # a config written before expert parallelism had the key, run without it
+        if key.rsplit(".", 1)[1] in ("expert_parallel_size", "context_parallel_size") and \
+                key.rsplit(".", 1)[1] not in cfg.train.dist:
+            continue  # a config written before expert (context) parallelism had the key, run without it
         node = cfg
         for part in key.split("."):
             node = node.get(part) if hasattr(node, "get") else None

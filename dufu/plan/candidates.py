@@ -1,7 +1,8 @@
 """The candidate layouts a search (:func:`dufu.plan.search.search`) enumerates: every combination of the values
 the ``auto`` fields may take (tensor, pipeline and data-parallel sizes whose product is the world size, sequence
 parallelism, virtual pipeline stages and their schedule, ZeRO stage, activation checkpointing and, for a model with
-mixture-of-experts layers, the expert-parallel size), each with the micro-batch sizes to try, small to large.
+mixture-of-experts layers, the expert-parallel size; the context-parallel size), each with the micro-batch sizes to
+try, small to large.
 """
 
 from __future__ import annotations
@@ -15,6 +16,9 @@ from dufu.plan.shapes import ModelInfo
 
 # The expert-parallel size: searched for MoE models under train.dist.auto=True (or when a config sets it to auto).
 EP_KEY = "train.dist.expert_parallel_size"
+# The context-parallel size: searched when a config sets it to auto, and under train.dist.auto=True by the rule of
+# dufu.plan.search.search (models that support it, sequences its chunks divide, only when cp = 1 leaves a need).
+CP_KEY = "train.dist.context_parallel_size"
 
 
 def _divisors(n: int) -> list[int]:
@@ -36,8 +40,34 @@ def pipeline_counts_differ(layout: Layout) -> bool:
     return m < pp or (layout.pipeline_schedule in MULTI_STAGE_SCHEDULES and m % pp != 0)
 
 
-def structures(cfg, world_size: int, autos: list[str], info: ModelInfo):
-    """Candidate (dp, tp, pp, sp, v, schedule, zero, checkpoint, ep) tuples, micro-batch still open."""
+def context_parallel_sizes(world_size: int, seq_length: int, every: bool) -> list[int]:
+    """The context-parallel sizes to try: every divisor of the world size (``every``: a config's explicit auto,
+    those dufu would refuse are then counted with its message), or only those whose 2 x cp load-balanced chunks
+    divide the sequence (:func:`dufu.parallel.checks.check_context_parallel`)."""
+    return [c for c in _divisors(world_size) if every or seq_length % (2 * c) == 0]
+
+
+def _degrees(world_size: int, tp, pp, cp, dp_value):
+    """(dp, tp, pp, cp) of one combination, the one size that is -1 (or dp left auto) inferred as ParallelDims
+    infers it; None when the world size does not divide."""
+    if tp == -1 or pp == -1 or cp == -1:
+        dp = fixed_int(dp_value, "train.dist.data_parallel_size")  # one of tp/pp/cp inferred: dp must be given
+        sizes = [tp, pp, cp]
+        known = dp * tp * pp * cp * -1  # the product of the given sizes (exactly one of them is -1)
+        if sizes.count(-1) != 1 or known <= 0 or world_size % known:
+            return None
+        tp, pp, cp = (world_size // known if x == -1 else x for x in sizes)
+        return dp, tp, pp, cp
+    if dp_value in (None, -1) or is_auto(dp_value):
+        known = tp * pp * cp
+        return (world_size // known, tp, pp, cp) if known > 0 and world_size % known == 0 else None
+    dp = fixed_int(dp_value, "train.dist.data_parallel_size")
+    return (dp, tp, pp, cp) if dp * tp * pp * cp == world_size else None
+
+
+def structures(cfg, world_size: int, autos: list[str], info: ModelInfo, cps=None):
+    """Candidate (dp, tp, pp, sp, v, schedule, zero, checkpoint, ep, cp) tuples, micro-batch still open. ``cps``:
+    the context-parallel sizes to try (default: the config's, or :func:`context_parallel_sizes` for auto)."""
     t = cfg.train
     d = t.dist
 
@@ -54,30 +84,17 @@ def structures(cfg, world_size: int, autos: list[str], info: ModelInfo):
     mode = t.activation_checkpoint.get("mode", "selective")
     ckpts = options("train.activation_checkpoint.enabled", mode if t.activation_checkpoint.enabled is True else False,
                     [False, mode])
-    for tp, pp, dp_value in itertools.product(tps, pps, dps):
-        if any(is_auto(x) for x in (tp, pp)):
+    if cps is None:
+        cps = (context_parallel_sizes(world_size, info.seq_length, every=is_auto(d.get("context_parallel_size")))
+               if CP_KEY in autos else [d.get("context_parallel_size", 1)])
+    for tp, pp, cp, dp_value in itertools.product(tps, pps, cps, dps):
+        if any(is_auto(x) for x in (tp, pp, cp)):
             continue
         tp, pp = fixed_int(tp, "train.dist.tensor_parallel_size"), fixed_int(pp, "train.dist.pipeline_parallel_size")
-        if tp == -1 or pp == -1 or dp_value in (None, -1) or is_auto(dp_value):
-            known = tp * pp if tp > 0 and pp > 0 else None
-            if known is None:
-                # one of tp/pp inferred (-1): the data-parallel size must be given
-                dp = fixed_int(dp_value, "train.dist.data_parallel_size")
-                rest = world_size // dp if world_size % dp == 0 else 0
-                if tp == -1:
-                    tp = rest // pp if pp > 0 and rest % pp == 0 else 0
-                else:
-                    pp = rest // tp if tp > 0 and rest % tp == 0 else 0
-                if not tp or not pp:
-                    continue
-            elif world_size % known:
-                continue
-            else:
-                dp = world_size // known
-        else:
-            dp = fixed_int(dp_value, "train.dist.data_parallel_size")
-            if dp * tp * pp != world_size:
-                continue
+        degrees = _degrees(world_size, tp, pp, fixed_int(cp, CP_KEY), dp_value)
+        if degrees is None:
+            continue
+        dp, tp, pp, cp = degrees
         sps = options("train.dist.sequence_parallel", bool(d.get("sequence_parallel", False)),
                       [False, True] if tp > 1 else [False])
         if "train.dist.virtual_pipeline_size" in autos:
@@ -88,7 +105,7 @@ def structures(cfg, world_size: int, autos: list[str], info: ModelInfo):
             eps = info.expert_parallel_sizes(dp)
         else:
             eps = [fixed_int(d.get("expert_parallel_size", 1), EP_KEY)]
-        for sp, v, z, ck, ep in itertools.product(sps, vs, zeros if dp > 1 else [0], ckpts, eps):
+        for sp, v, z, ck, ep in itertools.product(sps, vs, zeros if dp * cp > 1 else [0], ckpts, eps):
             if is_auto(v):
                 continue
             sched = schedule
@@ -97,7 +114,8 @@ def structures(cfg, world_size: int, autos: list[str], info: ModelInfo):
                     sched = "interleaved_1f1b"
                 elif v == 1 and schedule in MULTI_STAGE_SCHEDULES:
                     sched = "1f1b"
-            yield dict(dp=dp, tp=tp, pp=pp, sp=bool(sp), v=int(v), schedule=sched, zero=int(z), ckpt=ck, ep=ep)
+            yield dict(dp=dp, tp=tp, pp=pp, sp=bool(sp), v=int(v), schedule=sched, zero=int(z), ckpt=ck, ep=ep,
+                       cp=cp)
 
 
 def with_micro_batches(cfg, s: dict, autos: list[str], setup: Setup, max_micro: int, rejected: list):
@@ -129,4 +147,4 @@ def with_micro_batches(cfg, s: dict, autos: list[str], setup: Setup, max_micro: 
             rejected.append(({"data_parallel_size": dp, "micro_batch_size": mb}, " ".join(str(e).split())))
             continue
         yield Layout(dp, s["tp"], s["pp"], s["sp"], s["v"], s["schedule"], micro, accum, g, s["zero"], s["ckpt"],
-                     s["ep"])
+                     s["ep"], s.get("cp", 1))

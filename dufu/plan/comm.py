@@ -1,6 +1,6 @@
 """What a layout's communication costs: ring collectives over a process group's link, and, per traced part and
-micro-batch, the collectives tensor and expert parallelism put on the critical path, plus the process groups data
-parallelism reduces over. The formulas and their sources are those of :mod:`dufu.plan.timing` (its module
+micro-batch, the collectives tensor, expert and context parallelism put on the critical path, plus the process
+groups data parallelism reduces over. The formulas and their sources are those of :mod:`dufu.plan.timing` (its module
 docstring), which adds these times into the step time.
 """
 
@@ -104,8 +104,10 @@ def data_parallel_groups(info: ModelInfo, parts: list[int], layout: Layout, hw: 
     """What data parallelism reduces (and ZeRO gathers) for a rank holding ``parts``, by process group:
     [(fp32 bytes, group size, bandwidth, latency per step, FSDP units)]. Without expert parallelism one group of
     ``dp`` ranks holds every parameter; under it, the experts (``1 / ep`` of them per rank) form units of their
-    own over the ``dp / ep`` ranks of ``expert_data`` (stride ``ep x tp``), the rest reduces over ``dp``."""
-    tp, dp, pp, ep = (layout.tensor_parallel_size, layout.data_parallel_size, layout.pipeline_parallel_size,
+    own over the ``dp / ep`` ranks of ``expert_data`` (stride ``ep x tp``), the rest reduces over ``dp``. Under
+    context parallelism the group is the data axis, dp x cp ranks (stride tp), which hold the same parameters
+    (:class:`dufu.parallel.parallel_dims.ParallelDims`; it refuses cp with ep)."""
+    tp, dp, pp, ep = (layout.tensor_parallel_size, layout.data_axis_size, layout.pipeline_parallel_size,
                       layout.expert_parallel_size)
     bw, lat = group_link(hw, dp, tp)
     elems = sum(part_elems(info, p, tp, ep) for p in parts)
@@ -120,3 +122,34 @@ def data_parallel_groups(info: ModelInfo, parts: list[int], layout: Layout, hw: 
     expert_units = sum(1 for p in parts if info.parts[p].experts)
     return [(4.0 * (elems - experts), dp, bw, lat, units),
             (4.0 * experts, dp // ep, expert_bw, expert_lat, expert_units)]
+
+
+def cp_comm(trace: Trace, q: int, layout: Layout, hw: Hardware, share: float) -> tuple[float, float]:
+    """(forward, backward) seconds of the context-parallel collectives of traced part ``q`` for one micro-batch.
+
+    :meth:`dufu.parallel.context_parallel.ContextParallel.attention`, per attention layer: forward, an all-gather
+    of K and one of V over the ``cp`` ranks of the group (each output the whole sequence's, as the trace records
+    it, :mod:`dufu.plan.context`); backward, a reduce-scatter of each one's gradient; full activation checkpointing
+    gathers again when it recomputes the block (selective keeps the gathered tensors): the trace records each
+    collective as it is dispatched. The attention waits for its keys, so all of it is on the critical
+    path (dufu issues the collective and waits at once). A cp group is ``cp`` neighbouring ranks of the data axis,
+    ``tp`` apart (rank order pp, dp, cp, tp): inside a node when ``cp x tp`` ranks fit in one. Under tensor
+    parallelism each rank gathers its own heads (``1 / tp`` of the bytes). The all-gather runs at the device's
+    all-gather bandwidth where it has a figure of its own (gloo's, measured apart), as ZeRO's gathers do."""
+    cp = layout.context_parallel_size
+    if cp <= 1 or not trace.kv_gathers:
+        return 0.0, 0.0
+    bw, lat = group_link(hw, cp, layout.tensor_parallel_size)
+    gather_bw = min(bw, hw.all_gather_bandwidth) if hw.all_gather_bandwidth else bw
+    b, tp = layout.micro_batch_size, layout.tensor_parallel_size
+    fwd = bwd = 0.0
+    for g in trace.kv_gathers:
+        if g.part != q:
+            continue
+        nbytes = lin(g.nbytes, b) / (tp if g.split else 1)
+        t = collective(g.kind, nbytes, cp, gather_bw if g.kind == "all_gather" else bw, lat)
+        if g.backward:
+            bwd += t
+        else:
+            fwd += t
+    return fwd * share, bwd * share

@@ -26,16 +26,25 @@ class Layout:
     zero_stage: int  # 0: ZeRO off
     activation_checkpoint: object  # False, "selective" or "full"
     expert_parallel_size: int = 1  # MoE experts split over this many of the data-parallel ranks (divides dp)
+    context_parallel_size: int = 1  # every sample's tokens split over this many ranks (dufu.parallel.context_parallel)
 
     @property
     def world_size(self) -> int:
-        return self.data_parallel_size * self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.data_parallel_size * self.context_parallel_size * self.tensor_parallel_size * \
+            self.pipeline_parallel_size
+
+    @property
+    def data_axis_size(self) -> int:
+        """The ranks gradients are averaged (and ZeRO shards) over: dp x cp, as ParallelDims.data_axis_size."""
+        return self.data_parallel_size * self.context_parallel_size
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def short(self) -> str:
         parts = [f"dp{self.data_parallel_size}", f"tp{self.tensor_parallel_size}", f"pp{self.pipeline_parallel_size}"]
+        if self.context_parallel_size > 1:
+            parts.insert(1, f"cp{self.context_parallel_size}")
         text = " x ".join(parts)
         extras = []
         if self.expert_parallel_size > 1:
@@ -69,6 +78,8 @@ class Layout:
             out.append(f"train.zero_optimization.stage={self.zero_stage}")
         if self.expert_parallel_size > 1:
             out.append(f"train.dist.expert_parallel_size={self.expert_parallel_size}")
+        if self.context_parallel_size > 1:
+            out.append(f"train.dist.context_parallel_size={self.context_parallel_size}")
         return out
 
 

@@ -4,8 +4,9 @@ What a rank holds at rest (per parameter it owns after tensor/pipeline splitting
 compute dtype, as dufu's autocast keeps them):
 
 * parameters 4 B, gradients 4 B, AdamW's two moments 8 B (Rajbhandari et al. 2020's model states);
-* under ZeRO (FSDP2 ``fully_shard``) all three are shards, 1/dp each. dufu runs stage 1 with stage-2 sharding
-  (:mod:`dufu.parallel.data_parallel`), so stages 1 and 2 hold the same;
+* under ZeRO (FSDP2 ``fully_shard``) all three are shards, 1/dp each (1/(dp x cp) under context parallelism,
+  whose ranks hold the same parameters: "dp" below is the data axis, dp x cp). dufu runs stage 1 with stage-2
+  sharding (:mod:`dufu.parallel.data_parallel`), so stages 1 and 2 hold the same;
 * every expert of a mixture-of-experts layer (all ``E``, though a token uses ``top_k``); under expert parallelism
   (``ep``) a rank holds ``E / ep`` of them, data-parallel over the ``dp / ep`` ranks of its ``expert_data`` group
   (:mod:`dufu.parallel.expert_parallel`): replicated there, or ZeRO shards of ``1 / (dp / ep)``;
@@ -99,7 +100,7 @@ def owned(nbytes: float, elems: float, experts: float, layout: Layout) -> float:
     ``expert_data``)."""
     if not layout.zero_stage:
         return nbytes * elems
-    dp, ep = layout.data_parallel_size, layout.expert_parallel_size
+    dp, ep = layout.data_axis_size, layout.expert_parallel_size
     if not experts or ep == 1:
         return nbytes * elems / dp
     return nbytes * (elems - experts) / dp + nbytes * experts / (dp // ep)
@@ -182,7 +183,7 @@ def _storage_bytes(trace: Trace, sid: int, layout: Layout) -> float:
 
 def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, rank: int,
                  parts: list[int]) -> RankMemory:
-    tp, dp, pp = layout.tensor_parallel_size, layout.data_parallel_size, layout.pipeline_parallel_size
+    tp, dp, pp = layout.tensor_parallel_size, layout.data_axis_size, layout.pipeline_parallel_size
     zero, ep = layout.zero_stage, layout.expert_parallel_size
     m = layout.num_accumulation_steps
     last = len(info.parts) - 1
@@ -319,7 +320,7 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
         elems_total += info.tied_elems / tp
     if accumulated:
         base["gradients"] += 4.0 * elems_total  # the full-size gradients of earlier micro-batches
-        if units is None and layout.data_parallel_size > 1:
+        if units is None and layout.data_axis_size > 1:
             # replicate (DDP on FSDP2) keeps what earlier micro-batches accumulated apart from the gradient being
             # computed, summing them when the unit's backward ends (measured: 4 B more per parameter)
             base["gradients"] += 4.0 * elems_total
@@ -402,7 +403,7 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
 def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync, accumulated, parts,
                      expert_grads) -> None:
     """What data parallelism does when part ``p``'s backward ends (see the module docstring)."""
-    dp, zero, ep = layout.data_parallel_size, layout.zero_stage, layout.expert_parallel_size
+    dp, zero, ep = layout.data_axis_size, layout.zero_stage, layout.expert_parallel_size
     if units is None:
         if dp > 1 and sync:
             # replicate (DDP on FSDP2): the unit's gradient is copied into an all-reduce buffer, and the previous

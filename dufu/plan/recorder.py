@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dufu.plan.context import COLLECTIVES
 from dufu.plan.experts import MoERecording
 from dufu.plan.shapes import (DTYPE_NAMES, Attention, Gemm, PartOps, _ATTENTION, _GEMMS, _HEAVY, _MATERIALIZING,
                               _SKIP)
@@ -49,6 +50,7 @@ class Recorder(MoERecording):
         self.values: dict[int, list] = {}
         self.moe_stack: list = []
         self.experts_calls: list = []
+        self.kv_gathers: list = []  # context parallelism's K/V collectives (dufu.plan.context)
         from dufu.parallel.tensor_parallel import tensor_parallel_plan
 
         head = getattr(model, "lm_head", None)
@@ -251,6 +253,10 @@ class Recorder(MoERecording):
             out_kind = "rep"
         # autocast's low-precision copy of a weight (a cast of a parameter)
         derived = name == "aten._to_copy.default" and bool(kinds) and kinds[0][1]
+        if name in COLLECTIVES:  # context parallelism's K/V collectives (dufu.plan.context), whole-sequence bytes
+            whole = outs[0] if COLLECTIVES[name] == "all_gather" else flat_in[0]
+            self.kv_gathers.append(dict(part=self.part, kind=COLLECTIVES[name], backward=self.phase != "fwd",
+                                        nbytes=whole.numel() * whole.element_size(), split=kinds[0][0] == "feat"))
         if is_view:
             ops.views += 1
         else:

@@ -10,6 +10,7 @@ GiB = 1024**3
 TIME_NAMES = {
     "compute": "compute", "dp_copies": "FSDP buffer copies",
     "tp_comm": "tensor-parallel communication", "ep_comm": "expert-parallel all-to-all",
+    "cp_comm": "context-parallel K/V all-gathers",
     "dp_comm": "data-parallel communication",
     "dp_comm_exposed": "data-parallel communication not hidden", "bubble": "pipeline bubble",
     "p2p": "pipeline point-to-point", "optimizer": "optimizer step",
@@ -35,8 +36,9 @@ def _seconds(s: float) -> str:
 
 def layout_text(layout: dict) -> str:
     """A layout in one line, with dufu's words."""
-    text = (f"dp {layout['data_parallel_size']} x tp {layout['tensor_parallel_size']} x pp "
-            f"{layout['pipeline_parallel_size']}")
+    cp = layout.get("context_parallel_size", 1)
+    text = (f"dp {layout['data_parallel_size']}{f' x cp {cp}' if cp > 1 else ''} x tp "
+            f"{layout['tensor_parallel_size']} x pp {layout['pipeline_parallel_size']}")
     extras = []
     if layout.get("expert_parallel_size", 1) > 1:
         extras.append(f"experts over ep {layout['expert_parallel_size']}")
@@ -155,6 +157,7 @@ def plot_memory(plan: Plan, path: str, top: int = 8) -> str:
         lay = e.layout
         labels.append(f"dp{lay['data_parallel_size']} tp{lay['tensor_parallel_size']} pp{lay['pipeline_parallel_size']}"
                       + (f" ep{lay['expert_parallel_size']}" if lay.get("expert_parallel_size", 1) > 1 else "")
+                      + (f" cp{lay['context_parallel_size']}" if lay.get("context_parallel_size", 1) > 1 else "")
                       + f"\nmb{lay['micro_batch_size']}" + (f" z{lay['zero_stage']}" if lay["zero_stage"] else "")
                       + (" ckpt" if lay["activation_checkpoint"] else ""))
     ax.set_xticks(x)

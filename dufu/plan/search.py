@@ -11,6 +11,14 @@ For a model with mixture-of-experts layers, ``train.dist.auto=True`` also search
 (``train.dist.expert_parallel_size``, :data:`dufu.plan.candidates.EP_KEY`): every size that divides the
 data-parallel size and every layer's number of experts. A dense model's layouts have none. The candidates are
 enumerated by :mod:`dufu.plan.candidates`.
+
+The context-parallel size (``train.dist.context_parallel_size``, :data:`dufu.plan.candidates.CP_KEY`): set to auto,
+every divisor of the world size is a candidate (those ``dufu train`` refuses are counted with its message). Under
+``train.dist.auto=True`` it is searched only where it can matter (:func:`_context_pass`): for a model that declares
+``supports_context_parallel``, with sizes whose 2 x cp chunks divide the sequence, and only when the layouts
+without it leave a need that splitting a sample serves and splitting the batch cannot: none of them fits (a
+single sample's activations are too large for a device), or the global batch has fewer samples than there are
+processes (data parallelism cannot give every rank one).
 """
 
 from __future__ import annotations
@@ -23,7 +31,8 @@ from typing import Optional
 from dufu.errors import ConfigError, DufuError, LayoutError
 from dufu.plan.hardware import Hardware, get_hardware
 from dufu.config.overrides import AUTO_KEYS, is_auto
-from dufu.plan.candidates import EP_KEY, fixed_int, pipeline_counts_differ, structures, with_micro_batches
+from dufu.plan.candidates import (CP_KEY, EP_KEY, context_parallel_sizes, fixed_int, pipeline_counts_differ,
+                                  structures, with_micro_batches)
 from dufu.plan.layout import Layout, Setup, setup_from_config
 from dufu.plan.memory import KEYS, estimate_memory
 from dufu.plan.shapes import ModelInfo, build_model_info
@@ -126,10 +135,11 @@ def auto_fields(cfg) -> list[str]:
     """The searchable keys whose value is ``auto``. ``train.dist.auto=True`` makes all of them auto, the micro-batch
     size only when ``train.global_batch_size`` fixes the batch it divides."""
     if bool(cfg.train.dist.get("auto", False)) is True:
-        keys = [k for k in AUTO_KEYS if k != EP_KEY]  # the expert-parallel size: only for MoE (_with_experts)
+        # the expert-parallel size only for MoE (_with_experts), the context-parallel size by its rule (_context_pass)
+        keys = [k for k in AUTO_KEYS if k not in (EP_KEY, CP_KEY)]
         if cfg.train.get("global_batch_size") is None and not is_auto(cfg.train.train_micro_batch_size):
             keys.remove("train.train_micro_batch_size")
-        return keys + ([EP_KEY] if is_auto(_get(cfg, EP_KEY)) else [])
+        return keys + [k for k in (EP_KEY, CP_KEY) if is_auto(_get(cfg, k))]
     return [k for k in dict.fromkeys(AUTO_KEYS + (EP_KEY,)) if is_auto(_get(cfg, k))]
 
 
@@ -146,7 +156,7 @@ def _dist_cfg(cfg, layout: Layout) -> dict:
     d.update(data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tensor_parallel_size,
              pipeline_parallel_size=layout.pipeline_parallel_size, sequence_parallel=layout.sequence_parallel,
              virtual_pipeline_size=layout.virtual_pipeline_size, pipeline_schedule=layout.pipeline_schedule,
-             expert_parallel_size=layout.expert_parallel_size)
+             expert_parallel_size=layout.expert_parallel_size, context_parallel_size=layout.context_parallel_size)
     d.pop("auto", None)
     return d
 
@@ -157,7 +167,7 @@ def check_layout(info: ModelInfo, cfg, layout: Layout) -> None:
     from dufu.parallel.parallel_dims import ParallelDims
 
     dims = ParallelDims(layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size,
-                        layout.world_size, layout.expert_parallel_size)
+                        layout.world_size, layout.expert_parallel_size, layout.context_parallel_size)
     zero_cfg = {"enabled": bool(layout.zero_stage), "stage": layout.zero_stage or 1}
     stage_ids = validate_layout(dims, info.model, _dist_cfg(cfg, layout), zero_cfg, info.seq_length,
                                 layout.num_accumulation_steps)
@@ -181,7 +191,7 @@ def layout_from_config(cfg, world_size: int) -> Layout:
                   bool(t.dist.get("sequence_parallel", False)), int(t.dist.get("virtual_pipeline_size", 1) or 1),
                   t.dist.get("pipeline_schedule", "1f1b"), micro, accum, global_,
                   int(zero.stage) if zero.enabled else 0, ckpt.get("mode", "selective") if ckpt.enabled else False,
-                  dims.expert_parallel_size)
+                  dims.expert_parallel_size, dims.context_parallel_size)
 
 
 def _memory_limit(hw: Hardware, world_size: int) -> int:
@@ -196,7 +206,7 @@ def _memory_limit(hw: Hardware, world_size: int) -> int:
 def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_size: int) -> Estimate:
     """The estimate of a layout already known to be valid."""
     trace = get_trace(info, setup.dtype, layout.activation_checkpoint or None, "cpu" if hw.synchronous else "cuda",
-                      layout.expert_parallel_size)
+                      layout.expert_parallel_size, layout.context_parallel_size)
     worst, ranks = estimate_memory(info, trace, layout, setup)
     times, details = estimate_time(info, trace, layout, setup, hw, world_size)
     step = details["step_time_s"]
@@ -227,6 +237,9 @@ def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_
     if info.expert_counts:
         est.notes.append("mixture of experts: FLOPs are those of the top_k experts a token uses, memory holds every "
                          "expert (1 / ep of them per rank), the routing is taken as balanced")
+    if layout.context_parallel_size > 1:
+        est.notes.append(f"context parallelism: traced as rank 0 of {layout.context_parallel_size} (T / cp tokens, "
+                         "the whole K and V gathered per layer); its all-gathers and reduce-scatters are not overlapped")
     return est
 
 
@@ -239,6 +252,7 @@ def _layout_dict(layout: Layout) -> dict:
         "micro_batch_size": d["micro_batch_size"], "num_accumulation_steps": d["num_accumulation_steps"],
         "global_batch_size": d["global_batch_size"], "zero_stage": d["zero_stage"],
         "activation_checkpoint": d["activation_checkpoint"], "expert_parallel_size": d["expert_parallel_size"],
+        "context_parallel_size": d["context_parallel_size"],
     }
 
 
@@ -276,25 +290,35 @@ def search(cfg, world_size: int, hardware="cpu", hardware_files=None, max_micro_
             est.reason = _miss(est)
         return Plan([est], auto=[])
     rejected, estimates, notes = [], [], []
-    for structure in structures(cfg, world_size, autos, info):
-        checked = False
-        for mb_layout in with_micro_batches(cfg, structure, autos, setup, max_micro_batch, rejected):
-            try:
-                if not checked:
-                    # everything but the micro-batch count once per structure (heads, vocabulary, layers ...)
-                    check_layout(info, cfg, replace(mb_layout, num_accumulation_steps=64 * mb_layout.pipeline_parallel_size))
-                    checked = True
-                if pipeline_counts_differ(mb_layout):
-                    check_layout(info, cfg, mb_layout)
-            except DufuError as e:
-                rejected.append((_layout_dict(mb_layout), " ".join(str(e).split())))
-                if not checked:
-                    break
-                continue
-            est = evaluate(info, setup, mb_layout, hw, world_size)
-            estimates.append(est)
-            if not est.fits:
-                break  # a larger micro-batch only needs more memory
+
+    def run(candidates) -> None:
+        for structure in candidates:
+            checked = False
+            for mb_layout in with_micro_batches(cfg, structure, autos, setup, max_micro_batch, rejected):
+                try:
+                    if not checked:
+                        # everything but the micro-batch count once per structure (heads, vocabulary, layers ...)
+                        check_layout(info, cfg, replace(mb_layout,
+                                                        num_accumulation_steps=64 * mb_layout.pipeline_parallel_size))
+                        checked = True
+                    if pipeline_counts_differ(mb_layout):
+                        check_layout(info, cfg, mb_layout)
+                except DufuError as e:
+                    rejected.append((_layout_dict(mb_layout), " ".join(str(e).split())))
+                    if not checked:
+                        break
+                    continue
+                est = evaluate(info, setup, mb_layout, hw, world_size)
+                estimates.append(est)
+                if not est.fits:
+                    break  # a larger micro-batch only needs more memory
+
+    requested = bool(cfg.train.dist.get("auto", False)) is True and CP_KEY not in autos
+    run(structures(cfg, world_size, autos, info, cps=[1] if requested else None))
+    cps = _context_pass(cfg, info, autos, estimates, world_size)
+    if cps:
+        autos = autos + [CP_KEY]
+        run(structures(cfg, world_size, autos, info, cps=cps))
     fitting = sorted((e for e in estimates if e.fits), key=lambda e: -e.tokens_per_s)
     others = sorted((e for e in estimates if not e.fits), key=lambda e: e.memory_per_gpu_bytes)
     if fitting:
@@ -315,8 +339,22 @@ def search(cfg, world_size: int, hardware="cpu", hardware_files=None, max_micro_
 
 _TIME_WORDS = {"compute": "compute", "dp_copies": "FSDP buffer copies",
                "tp_comm": "tensor-parallel communication", "ep_comm": "expert-parallel all-to-all",
+               "cp_comm": "context-parallel K/V all-gathers",
                "dp_comm_exposed": "data-parallel communication not hidden", "bubble": "pipeline bubble",
                "p2p": "pipeline point-to-point", "optimizer": "optimizer step"}
+
+
+def _context_pass(cfg, info: ModelInfo, autos: list[str], estimates: list, world_size: int) -> list[int]:
+    """The context-parallel sizes > 1 that ``train.dist.auto=True`` adds to a search whose layouts without them
+    are ``estimates`` (the rule of the module docstring), or []."""
+    if CP_KEY in autos or bool(cfg.train.dist.get("auto", False)) is not True:
+        return []
+    if not getattr(info.model, "supports_context_parallel", False):
+        return []
+    global_ = cfg.train.get("global_batch_size")
+    if any(e.fits for e in estimates) and not (global_ is not None and global_ < world_size):
+        return []
+    return [c for c in context_parallel_sizes(world_size, info.seq_length, every=False) if c > 1]
 
 
 def explain(worse: Estimate, best: Estimate) -> str:
@@ -351,6 +389,8 @@ def apply_layout(cfg, layout_dict: dict):
     overrides = layout.overrides()
     if layout.expert_parallel_size == 1 and "expert_parallel_size" in cfg.train.dist:
         overrides.append("train.dist.expert_parallel_size=1")
+    if layout.context_parallel_size == 1 and "context_parallel_size" in cfg.train.dist:
+        overrides.append("train.dist.context_parallel_size=1")
     if cfg.train.get("global_batch_size") is None:
         overrides.append(f"train.num_accumulation_steps={layout.num_accumulation_steps}")
     return LazyConfig.apply_overrides(cfg, overrides)

@@ -168,6 +168,8 @@ class Trace:
     logits_part: int = -1
     experts: list = field(default_factory=list)  # ExpertsCall of every MoE layer's experts
     expert_parallel_size: int = 1  # the experts of one rank of this many were traced (dufu.plan.experts)
+    kv_gathers: list = field(default_factory=list)  # KVGather of every attention's all-gather (dufu.plan.context)
+    context_parallel_size: int = 1  # the tokens of one rank of this many were traced
 
 
 def lin(pair, b: int) -> float:

@@ -30,6 +30,10 @@ network bandwidth) for k members per node (NCCL drives every node's NICs in para
   under pipeline parallelism torch reduces after the last micro-batch, so nothing hides it. Under expert
   parallelism the experts' ``1 / ep`` share is reduced (and gathered) over the ``dp / ep`` ranks of
   ``expert_data``, everything else over ``dp``;
+* context parallelism (:func:`dufu.plan.comm.cp_comm`): every attention layer's K and V all-gathered over the
+  ``cp`` ranks of a context group in forward (again when checkpointing recomputes it), their gradients
+  reduce-scattered in backward, on the critical path; the computation is that of the traced rank's ``T / cp``
+  tokens (:mod:`dufu.plan.context`), and data parallelism's group is the data axis, dp x cp ranks;
 * pipeline parallelism: each micro-batch sends its activations forward and their gradients back at every stage
   boundary; 1F1B and GPipe take (m + pp - 1) slots of the slowest stage's forward + backward, interleaved 1F1B
   with v chunks m + (pp - 1) / v (Narayanan et al. 2021, eq. 1 and 2).
@@ -47,7 +51,7 @@ from __future__ import annotations
 
 import os
 
-from dufu.plan.comm import collective, data_parallel_groups, ep_comm, group_link, tp_comm
+from dufu.plan.comm import collective, cp_comm, data_parallel_groups, ep_comm, group_link, tp_comm
 from dufu.plan.hardware import Hardware
 from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
 from dufu.plan.memory import expert_elems, owned, part_elems, rank_parts
@@ -221,7 +225,8 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
                   world_size: int) -> tuple[dict, dict]:
     """(seconds per optimizer step by part, details) for ``layout``; see the module docstring."""
     pricer = Pricer(info, trace, layout, hw, world_size, compiled=setup.compiled_on(hw))
-    tp, dp, pp, v = (layout.tensor_parallel_size, layout.data_parallel_size, layout.pipeline_parallel_size,
+    # dp: the data axis, dp x cp ranks (context-parallel ranks hold the same parameters and reduce gradients)
+    tp, dp, pp, v = (layout.tensor_parallel_size, layout.data_axis_size, layout.pipeline_parallel_size,
                      layout.virtual_pipeline_size)
     m, b = layout.num_accumulation_steps, layout.micro_batch_size
     share = pricer.share
@@ -232,7 +237,7 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         p2p_bw, p2p_lat = hw.intra_node_bandwidth * hw.comm_efficiency, hw.intra_latency_s
     all_parts = rank_parts(info, layout, setup)
     for r, parts in enumerate(all_parts):
-        comp_f = comp_b = comm_f = comm_b = ep_f = ep_b = 0.0
+        comp_f = comp_b = comm_f = comm_b = ep_f = ep_b = cp_f = cp_b = 0.0
         fl = 0.0
         for p in parts:
             q = info.mapping[p]
@@ -242,6 +247,8 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
             ef, eb = ep_comm(trace, q, layout, hw, share)
             comp_f, comp_b, comm_f, comm_b = comp_f + tf, comp_b + tb, comm_f + cf, comm_b + cb
             ep_f, ep_b = ep_f + ef, ep_b + eb
+            kf, kb = cp_comm(trace, q, layout, hw, share)
+            cp_f, cp_b = cp_f + kf, cp_b + kb
             fl += ff + fb
         p2p = 0.0
         if pp > 1:
@@ -254,11 +261,11 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
                     sends += 1
             p2p *= share
         per_rank.append(dict(compute_f=comp_f, compute_b=comp_b, tp_f=comm_f, tp_b=comm_b, ep_f=ep_f, ep_b=ep_b,
-                             p2p=p2p, flops=fl))
+                             cp_f=cp_f, cp_b=cp_b, p2p=p2p, flops=fl))
         flops_total = max(flops_total, fl)
     # the slowest pipeline rank sets the pace
-    slot = [r["compute_f"] + r["compute_b"] + r["tp_f"] + r["tp_b"] + r["ep_f"] + r["ep_b"] + r["p2p"]
-            for r in per_rank]
+    slot = [r["compute_f"] + r["compute_b"] + r["tp_f"] + r["tp_b"] + r["ep_f"] + r["ep_b"] + r["cp_f"] + r["cp_b"]
+            + r["p2p"] for r in per_rank]
     worst = max(range(len(per_rank)), key=lambda i: slot[i])
     w = per_rank[worst]
     t_slot = slot[worst]
@@ -271,6 +278,7 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
     compute = m * (w["compute_f"] + w["compute_b"])
     tp_time = m * (w["tp_f"] + w["tp_b"])
     ep_time = m * (w["ep_f"] + w["ep_b"])
+    cp_time = m * (w["cp_f"] + w["cp_b"])
     if ep_time and setup.clip_grad:
         # the gradient norm of the experts' DTensors (dufu.parallel.grads): one more all-reduce of a value, over
         # the ranks their shards span (the expert group; all dp ranks under ZeRO)
@@ -283,7 +291,7 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         # More processes than cores: a stage idling in the bubble gives its core to another rank, so the bubble
         # costs only what the critical path adds beyond all ranks' work shared out over the cores (every time
         # above already counts the sharing): max(slots at full speed, busy time shared) - busy time.
-        busy = compute + tp_time + ep_time + p2p
+        busy = compute + tp_time + ep_time + cp_time + p2p
         bubble = max(0.0, (busy + bubble) / share - busy)
     # data parallelism, per step, on the worst-memory rank's parameters (the largest stage)
     dp_comm = dp_exposed = dp_copies = 0.0
@@ -335,8 +343,9 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
                  + (4.0 * mine / pricer.rates["elementwise"] if setup.clip_grad else 0.0)
                  + 40 * hw.op_overhead_s) * share
     # FSDP2's copies into and out of its communication buffers run on the critical path, between the computation
-    step = compute + dp_copies + tp_time + ep_time + p2p + bubble + dp_exposed + optimizer
-    times = {"compute": compute, "dp_copies": dp_copies, "tp_comm": tp_time, "ep_comm": ep_time, "dp_comm": dp_comm,
+    step = compute + dp_copies + tp_time + ep_time + cp_time + p2p + bubble + dp_exposed + optimizer
+    times = {"compute": compute, "dp_copies": dp_copies, "tp_comm": tp_time, "ep_comm": ep_time, "cp_comm": cp_time,
+             "dp_comm": dp_comm,
              "dp_comm_exposed": dp_exposed,
              "bubble": bubble, "p2p": p2p, "optimizer": optimizer}
     details = {"step_time_s": step, "flops_per_rank_step": m * flops_total, "slowest_pipeline_rank": worst,

@@ -23,7 +23,9 @@ are traced whole. Two traces, at micro-batch 2 and 3, make every size a linear f
 (tables such as rotary angles and weight casts do not grow with it).
 
 Mixture-of-experts layers are traced with balanced routing, and under expert parallelism as one rank of ``ep``
-(its ``E / ep`` experts, the token exchange stood in for): :mod:`dufu.plan.experts`.
+(its ``E / ep`` experts, the token exchange stood in for): :mod:`dufu.plan.experts`. Under context parallelism the
+step is that of one rank of ``cp`` (its ``T / cp`` tokens, the K/V all-gathers stood in for):
+:mod:`dufu.plan.context`.
 """
 from __future__ import annotations
 
@@ -76,30 +78,32 @@ def _to_fake(model: nn.Module, mode) -> None:
                     module._buffers[name] = torch.zeros(buf.shape, dtype=buf.dtype)
 
 
-def get_trace(info: ModelInfo, dtype: str, checkpoint: Optional[str], device: str = "cpu", ep: int = 1) -> Trace:
+def get_trace(info: ModelInfo, dtype: str, checkpoint: Optional[str], device: str = "cpu", ep: int = 1,
+              cp: int = 1) -> Trace:
     """The traced step of ``info``'s model in ``dtype`` ("fp32", "bf16", "fp16": autocast) with activation
     checkpointing ``checkpoint`` (None, "selective", "full"), as it runs on ``device`` ("cpu" or "cuda"), on one
-    rank of ``ep`` expert-parallel ranks (a MoE model's; see :mod:`dufu.plan.experts`); computed once per model
-    and variant.
+    rank of ``ep`` expert-parallel ranks (a MoE model's; see :mod:`dufu.plan.experts`) and of ``cp`` context-
+    parallel ranks (:mod:`dufu.plan.context`); computed once per model and variant.
 
     The devices differ in one kernel choice: with attention dropout, torch's CPU attention falls back to the
     unfused math (the (T, T) scores, softmax and dropout mask materialized), while CUDA's fused kernels
     (FlashAttention, memory-efficient attention) apply dropout inside the kernel from a saved RNG state. A
     "cuda" trace therefore runs attention without dropout, which takes the fused CPU kernel of the same shapes."""
-    key = (dtype, checkpoint, device) if ep == 1 else (dtype, checkpoint, device, ep)
+    key = (dtype, checkpoint, device) + ((ep,) if ep != 1 else ()) + ((("cp", cp),) if cp != 1 else ())
     with info.lock:
         if key not in info.traces:
             # micro-batches 2 and 3: at 1 some broadcasts need no reduction (a different op sequence)
-            two = _trace_once(info, dtype, checkpoint, 2, device, ep)
-            three = _trace_once(info, dtype, checkpoint, 3, device, ep)
+            two = _trace_once(info, dtype, checkpoint, 2, device, ep, cp)
+            three = _trace_once(info, dtype, checkpoint, 3, device, ep, cp)
             trace = _combine(two, three)
             trace.dtype, trace.checkpoint, trace.expert_parallel_size = dtype, checkpoint, ep
+            trace.context_parallel_size = cp
             info.traces[key] = trace
         return info.traces[key]
 
 
 def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: int, device: str,
-                ep: int = 1) -> "Recorder":
+                ep: int = 1, cp: int = 1) -> "Recorder":
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from dufu.plan.experts import localize
@@ -117,12 +121,17 @@ def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: i
         for module in reduced.modules():
             if isinstance(module, Attention):
                 module.attention_dropout = 0.0  # the fused kernels' dropout keeps no (T, T) tensor (see get_trace)
-    if checkpoint:
-        _checkpoint(reduced, checkpoint, ep)
-    reduced.train()
     rec = Recorder(reduced, mode, ep)
     with mode:
         inputs = info.inputs(batch)
+        if cp > 1:  # before checkpointing, as dufu.parallel.parallelize applies them
+            from dufu.plan.context import split_for_context_parallel
+
+            inputs = split_for_context_parallel(reduced, inputs, cp, device)
+    if checkpoint:
+        _checkpoint(reduced, checkpoint, ep)
+    reduced.train()
+    with mode:
         rec.install()
         try:
             with rec:
@@ -222,8 +231,17 @@ def _combine(one: Recorder, two: Recorder) -> Trace:
 
         experts.append(ExpertsCall(call["part"], size("in_bytes"), size("out_bytes"), call["num_experts"],
                                    call["recomputed"]))
+    from dufu.plan.context import KVGather
+
+    gathers = []
+    for i, call in enumerate(one.kv_gathers):
+        other = two.kv_gathers[i] if len(two.kv_gathers) == len(one.kv_gathers) else None
+        gathers.append(KVGather(call["part"], call["kind"], fit(float(call["nbytes"]),
+                                                               float(other["nbytes"]) if other else None),
+                                call["split"], call["backward"]))
     parts = ["first"] + [f"block {i}" for i in range(len(one.blocks))] + ["last"]
-    return Trace("", None, parts, ops, list(one.events), storages, linears, boundary, one.logits_part, experts)
+    return Trace("", None, parts, ops, list(one.events), storages, linears, boundary, one.logits_part, experts,
+                 kv_gathers=gathers)
 
 
 def _align(a: list, b: list) -> dict:
