@@ -35,6 +35,8 @@ commands:
   convert CKPT (--to-hf DIR | --to-torch FILE.pt)
                       a sharded checkpoint (or a run's output_dir) as a Hugging Face directory or one file
   preprocess ...      tokenize text/jsonl into a memory-mapped token file (dufu preprocess -h)
+  lighthouse [--bind [::]:29510] [--min-replicas N] [--join-timeout S]
+                      the coordinator of fault-tolerant replica groups, train.fault_tolerance (docs/faults.md)
 """
 
 
@@ -153,6 +155,8 @@ def launch(args, config, overrides, cfg) -> int:
             "train.checkpointer.period to a number of steps (e.g. train.checkpointer.period=100).")
     resume = True if args.resume else ("auto" if args.max_restarts else False)
     if len(nodes) > 1 and nodes[0] != nodes[-1]:  # elastic: the layout is derived again at every world size
+        from dufu.engine.elastic import check_elastic_range
+
         check_elastic_range(cfg, args.nproc, nodes[0], nodes[-1], resume)
     else:
         preflight(cfg, world_size=args.nproc * nnodes, resume=resume)
@@ -173,24 +177,6 @@ def launch(args, config, overrides, cfg) -> int:
               "continue with --resume", file=sys.stderr)
         return PREEMPTED_EXIT_CODE
     return code
-
-
-def check_elastic_range(cfg, nproc: int, min_nodes: int, max_nodes: int, resume) -> None:
-    """An elastic job (``--nnodes MIN:MAX``) restarts at whatever world size its nodes make: every one from the
-    smallest to the largest must hold the layout (a size of -1, usually data_parallel_size, is inferred each
-    time; the global batch stays, the accumulation steps follow)."""
-    from dufu.engine.preflight import preflight
-    from dufu.errors import LayoutError
-
-    for nodes in range(min_nodes, max_nodes + 1):
-        try:
-            preflight(cfg, world_size=nproc * nodes, resume=resume)
-        except LayoutError as e:
-            raise LayoutError(
-                f"--nnodes {min_nodes}:{max_nodes} lets the job run on {nodes} node(s) x {nproc} processes = "
-                f"{nodes * nproc}, and that world cannot hold the layout: {e} For an elastic job, set the "
-                "size that should follow the world to -1 (e.g. train.dist.data_parallel_size=-1) and a "
-                "train.global_batch_size every world divides.") from None
 
 
 def run_torchrun(cmd: list[str]) -> int:
@@ -402,6 +388,12 @@ def cmd_quantize(argv: list[str]) -> int:
     return quantize_main(argv)
 
 
+def cmd_lighthouse(argv: list[str]) -> int:
+    from dufu.engine.lighthouse_cli import main as lighthouse_main
+
+    return lighthouse_main(argv)
+
+
 def cmd_generate(argv: list[str]) -> int:
     from dufu.engine.generate_cli import main as generate_main
 
@@ -409,7 +401,8 @@ def cmd_generate(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": cmd_train, "eval": cmd_eval, "configs": cmd_configs, "preprocess": cmd_preprocess, "convert": cmd_convert,
-            "generate": cmd_generate, "plan": cmd_plan, "prune": cmd_prune, "quantize": cmd_quantize}
+            "generate": cmd_generate, "plan": cmd_plan, "prune": cmd_prune, "quantize": cmd_quantize,
+            "lighthouse": cmd_lighthouse}
 
 
 def main(argv: list[str] | None = None) -> int:

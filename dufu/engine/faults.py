@@ -10,6 +10,8 @@
 * ``kill:R:S``          rank R is killed with SIGKILL at the start of step S (a lost process)
 * ``kill_node:R:S``     rank R SIGKILLs its torchrun agent and itself at the start of step S (a lost node: the
                         node's other workers are left without their agent and stop at the collective timeout)
+* ``slow:R:S``          rank R sleeps 0.1 s at the start of every step from step S on (a straggler; lets a test
+                        restart a replica group while this one is still training)
 * ``term:R:S``, ``usr1:R:S``  rank R sends SIGTERM / SIGUSR1 to its job at the start of step S, as a scheduler
                         preempting it would: to its torchrun agent (the launcher) if it has one, else to itself
 
@@ -52,6 +54,9 @@ def at_step_start(step: int) -> None:
         if "TORCHELASTIC_RUN_ID" in os.environ:
             os.kill(os.getppid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+    rank = os.environ.get("RANK", "0")
+    if any(k == "slow" and step >= s and r in ("*", rank) for k, r, s in _faults()):
+        time.sleep(0.1)
     if should_fire("hang", step):
         while True:
             time.sleep(3600)
@@ -70,12 +75,12 @@ def in_save(step: int) -> None:
 
 
 def install(trainer) -> None:
-    """Make ``trainer`` fire the training faults ``DUFU_FAULT`` names: ``exit``, ``kill``, ``hang``, ``term`` and
-    ``usr1`` as a step starts,
+    """Make ``trainer`` fire the training faults ``DUFU_FAULT`` names: ``exit``, ``kill``, ``hang``, ``slow``,
+    ``term`` and ``usr1`` as a step starts,
     ``nan`` after the step's backward (the first gradient and the loss become NaN on that rank only, after
     any gradient reduction, as a local overflow would). Wraps this object's ``train_step`` and
     ``forward_backward``; nothing happens without ``DUFU_FAULT``."""
-    if not any(kind in ("exit", "kill", "kill_node", "hang", "nan", "term", "usr1") for kind, _, _ in _faults()):
+    if not any(kind in ("exit", "kill", "kill_node", "hang", "nan", "term", "usr1", "slow") for kind, _, _ in _faults()):
         return
     train_step, forward_backward = trainer.train_step, trainer.forward_backward
 

@@ -18,6 +18,7 @@ from torch import nn
 
 from dufu.config import instantiate
 from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.fault_tolerance import check_config as check_fault_tolerance
 from dufu.engine.lr_scheduler import fit_warmup_to_run
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DufuError, LayoutError
@@ -80,6 +81,7 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     with torch.device("meta"):
         model = build_model(cfg, tokenizer, seq_length)
     stage_ids = validate_layout(dims, model, t.dist, t.zero_optimization, seq_length, batch_sizes[2])
+    check_fault_tolerance(cfg, dims)  # train.fault_tolerance: supported combinations, a Lighthouse that answers
     if stage_ids is not None and getattr(type(model), "pipeline_loss", None) is None:
         raise LayoutError(
             f"{type(model).__name__} defines no `pipeline_loss`, the loss a pipeline's last stage computes from "

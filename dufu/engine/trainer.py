@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from dufu.config import LazyConfig, instantiate
 from dufu.data import ResumableBatchSampler, collate
-from dufu.engine import diagnose, faults, report
+from dufu.engine import diagnose, fault_tolerance, faults, report
 from dufu.engine.batch import count_loss_targets, local_scalar, to_model_inputs
 from dufu.engine.checkpoint import Checkpointer
 from dufu.errors import CheckpointError
@@ -119,6 +119,7 @@ class Trainer:
         self.eval_enabled = bool(t.evaluation.enabled) and self.valid_ds is not None
         self.preemption, self.preempted = Preemption(t.preemption.get("enabled", True)), None  # SIGTERM, SIGUSR1
         faults.install(self)  # DUFU_FAULT's test faults (a no-op without it)
+        fault_tolerance.install(self)  # train.fault_tolerance: a replica group on torchft (a no-op without it)
 
     # ------------------------------------------------------------- building
     def _build_parts(self, model, stage_ids):

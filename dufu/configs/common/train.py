@@ -82,6 +82,16 @@ train = dict(
     # SIGTERM / SIGUSR1 (a scheduler's preemption): every rank finishes its step, saves a checkpoint and exits
     # with code 75; the launcher gives the workers grace_seconds before it kills them. dufu.engine.preemption
     preemption=dict(enabled=True, grace_seconds=120),
+    # Training through failures without a restart (torchft): this job is replica group replica_group_id of
+    # replica_parallel_size groups that train one model, coordinated by `dufu lighthouse` at `lighthouse`
+    # (http://HOST:PORT). mode: "replicate" (gradients averaged over the live groups every step), "diloco" (an
+    # outer Nesterov SGD step on the averaged pseudo-gradients every sync_every steps; the paper's lr 0.7,
+    # momentum 0.9) or "local_sgd" (weights averaged every sync_every steps). dufu.engine.fault_tolerance,
+    # docs/faults.md
+    fault_tolerance=dict(enabled=False, lighthouse=None, replica_group_id=0, replica_parallel_size=1,
+                         min_replica_size=1, mode="replicate", sync_every=100,
+                         outer_optimizer=dict(lr=0.7, momentum=0.9, nesterov=True), timeout_seconds=60.0,
+                         quorum_timeout_seconds=300.0, connect_timeout_seconds=10.0),
     # Peak FLOP/s of one device for MFU, in TFLOP/s; None = data sheet (known GPUs) or a measured matmul (CPU).
     peak_tflops=None,
     tensorboard=True,
