@@ -98,24 +98,44 @@ def _cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
+def _timed_matmul(a: torch.Tensor, b: torch.Tensor, device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    torch.matmul(a, b)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() - t0
+
+
+def _matmul_size(dtype, device: torch.device, size: int, budget: float = 0.1, smallest: int = 256) -> int:
+    """``size``, halved until one matmul of ``dtype`` takes about ``budget`` seconds or less (timed at ``smallest``
+    and scaled by n^3). A dtype the hardware does not compute natively can be 100x slower: bf16 on a CPU without
+    AVX-512 runs at ~1 GFLOP/s, where one 2048 matmul takes ~17 s and measuring it held every start-up for
+    half a minute; a smaller matmul tells the same (that the dtype is slow) in milliseconds."""
+    a, b = (torch.randn(smallest, smallest, device=device).to(dtype) for _ in range(2))
+    torch.matmul(a, b)  # warm-up (kernel selection, oneDNN/AMX init)
+    t = _timed_matmul(a, b, device)
+    n = size
+    while n > smallest and t * (n / smallest) ** 3 > budget:
+        n //= 2
+    return n
+
+
 def _best_matmul_flops(dtypes, device: torch.device, size: int, seconds: float) -> dict:
-    """Best observed FLOP/s of a (size x size) @ (size x size) matmul in each of ``dtypes``, one matmul of each
-    dtype in turn (so a load that shares the cores slows them alike), until ``seconds`` have passed."""
-    pairs = {dtype: (torch.randn(size, size, device=device).to(dtype), torch.randn(size, size, device=device).to(dtype))
+    """Best observed FLOP/s of a (size x size) @ (size x size) matmul in each of ``dtypes`` (smaller for a dtype
+    so slow that one such matmul would take long: :func:`_matmul_size`), one matmul of each dtype in turn (so a
+    load that shares the cores slows them alike), until ``seconds`` have passed."""
+    sizes = {dtype: _matmul_size(dtype, device, size) for dtype in dtypes}
+    pairs = {dtype: tuple(torch.randn(sizes[dtype], sizes[dtype], device=device).to(dtype) for _ in range(2))
              for dtype in dtypes}
     for a, b in pairs.values():
-        torch.matmul(a, b)  # warm-up (kernel selection, oneDNN/AMX init)
+        torch.matmul(a, b)  # warm-up at the measured size
     best = dict.fromkeys(dtypes, 0.0)
     deadline = time.perf_counter() + seconds
     while time.perf_counter() < deadline or min(best.values()) == 0.0:
         for dtype, (a, b) in pairs.items():
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            t0 = time.perf_counter()
-            torch.matmul(a, b)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            best[dtype] = max(best[dtype], 2.0 * size**3 / (time.perf_counter() - t0))
+            best[dtype] = max(best[dtype], 2.0 * sizes[dtype] ** 3 / _timed_matmul(a, b, device))
     return best
 
 
