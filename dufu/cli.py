@@ -235,9 +235,10 @@ class _WorkerFailures(logging.Handler):
 def cmd_plan(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
         prog="dufu plan", description="Predict per-device peak memory and step time of a layout, or choose one: "
-        "any of train.dist.{data,tensor,pipeline}_parallel_size, sequence_parallel, virtual_pipeline_size, "
-        "train.train_micro_batch_size, train.zero_optimization.stage, train.activation_checkpoint.enabled may be "
-        "auto (train.dist.auto=True: all of them). See docs/plan.md.")
+        "any of train.dist.{data,tensor,pipeline,context,expert}_parallel_size, sequence_parallel, "
+        "virtual_pipeline_size, train.train_micro_batch_size, train.zero_optimization.stage, "
+        "train.activation_checkpoint.enabled may be auto (train.dist.auto=True: all of them; context and expert "
+        "parallelism where the model can take them). See docs/plan.md.")
     parser.add_argument("config", nargs="?", default=None, help="a .py or .yaml config, or a packaged recipe name")
     parser.add_argument("--gpus", type=int, default=1, help="devices (processes) the job runs on (default 1)")
     parser.add_argument("--gpu", default="cpu", help="device type: a100-40gb, a100-80gb, h100-80gb, h200, cpu (this "
