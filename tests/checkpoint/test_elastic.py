@@ -13,6 +13,7 @@ from __future__ import annotations
 import socket
 
 import pytest
+import torch
 
 import launch
 from parity import PARITY_ARGS, assert_losses_match, parity_run, records
@@ -38,11 +39,17 @@ def test_a_lost_node_shrinks_the_job_from_4_to_2_processes_with_the_uninterrupte
     cmd = launch.train_command("gpt_debug", out, 2, *RUN, "train.dist.data_parallel_size=-1", flags=flags)
     # No output_dir for launch's clean-up: the lost node's launcher ends first, and its clean-up (every process
     # with this output_dir on its command line) would take the surviving node's workers with it.
+    # The rendezvous store lives in this process, as on a cluster where it runs on a machine of its own: whichever
+    # node's agent would host it (the first to bind the port; c10d rendezvous gives ranks 2-3 to either node) may
+    # be the lost one, which took the store with it and the survivor could not rendezvous again. The agents find
+    # the port taken and join as clients (torch's c10d rendezvous backend).
+    store = torch.distributed.TCPStore("localhost", port, is_master=True, wait_for_workers=False)
     try:
         nodes = [launch.start(cmd, fault="kill_node:3:12", retry=False, timeout=400) for _ in range(2)]
         procs = [n.result() for n in nodes]
     finally:
         launch._kill_processes_with_argument(f"train.output_dir={out}")
+        del store
     survivors = [p for p in procs if p.returncode == 0]
     assert len(survivors) == 1, "\n\n".join(p.describe() for p in procs)
     said = survivors[0].stdout + survivors[0].stderr
