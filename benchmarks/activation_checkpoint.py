@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
-import json
 import os
 import statistics
 import sys
@@ -46,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from dufu.layers import TransformerLayer  # noqa: E402
 from dufu.parallel.activation_checkpoint import LiveActivations, apply_activation_checkpointing  # noqa: E402
-from _machine import machine_info  # the benchmarks' shared machine description (benchmarks/_machine.py)
+from harness import machine, results as results_files  # noqa: E402
 
 MODES = ("none", "selective", "full")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -203,7 +201,8 @@ def markdown(result: dict) -> str:
     lines = [f"# activation_checkpoint benchmark, {result['date']}", "",
              f"`python benchmarks/activation_checkpoint.py{' --quick' if result['quick'] else ''}`", "",
              f"Machine: {m['cpu']} ({', '.join(m['cpu_features'])}), {m['logical_cpus']} logical CPUs, "
-             f"{m['torch_threads']} torch threads; torch {m['torch']}, Python {m['python']}. Load average "
+             f"{m['torch_threads']} torch threads; torch {m['torch']}, Python {m['python']}; {machine.peaks_text(m)}. "
+             "Load average "
              f"{result['loadavg_start']} at start, {result['loadavg_end']} at end; the run took "
              f"{result['seconds']:.0f} s. Median of {result['reps']} fwd+bwd after one warm-up, modes interleaved.", ""]
     for name in dict.fromkeys(r["model"] for r in result["rows"]):
@@ -240,23 +239,21 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     args.reps = args.reps or (2 if args.quick else 3)
     start, load0 = time.time(), [round(x, 2) for x in os.getloadavg()]
+    info = machine.describe()
     rows = []
     for name in args.models.split(","):
         if name not in CASES:
             raise SystemExit(f"unknown model {name!r}; choose from {', '.join(CASES)}")
         rows += run_case(name, args, print)
-    result = {"date": _dt.date.today().isoformat(), "quick": args.quick, "reps": args.reps, "machine": machine_info(),
+    result = {"date": results_files.today(), "quick": args.quick, "reps": args.reps, "machine": info,
               "loadavg_start": load0, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
               "seconds": time.time() - start, "rows": rows}
     text = markdown(result)
     print("\n" + text)
-    if args.quick and args.results_dir is None:
+    out = results_files.results_dir(args.results_dir, args.quick)
+    if out is None:
         return
-    out = Path(args.results_dir or REPO / "benchmarks" / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"activation_checkpoint-{result['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(text)
+    stem = results_files.write(results_files.stem(out, "activation_checkpoint", result["date"]), result, text)
     print(f"wrote {stem}.md and .json")
 
 

@@ -17,7 +17,7 @@ through the on-disk cache), in three states per model and dtype, run in this ord
 Part 1, steps: a worker builds ``dufu.engine.trainer.Trainer`` for the model (the default recipe's model on its
 micro-batch 16 x 128, ``--default-steps``; ``gpt2_small`` at batch 2 x 256 with the byte tokenizer, so no BPE is
 trained while the model keeps its 50,304-token vocabulary, ``--gpt2-steps``) in fp32 and bf16 autocast, and times
-each ``Trainer.train_step`` in wall and CPU seconds (``--threads`` torch threads, default 1: CPU time per step
+each ``Trainer.train_step()`` in wall and CPU seconds (``--threads`` torch threads, default 1: CPU time per step
 is what other processes on a shared machine disturb least). Steady step = median after the warm-up steps;
 warm-up = the warm-up steps' time minus as many steady steps (compilation: the forward at the first step, the
 backward in it too). Break-even = the extra warm-up over the off run's / the saving per steady step.
@@ -28,16 +28,15 @@ the whole process, the steady step and first-window warm-up from its ``metrics.j
 evaluation and checkpoint time), and recompiles ("Recompiling function" lines with ``TORCH_LOGS=recompiles``:
 evaluation under ``no_grad`` and generation with a growing KV cache compile graphs of their own).
 
-Results: ``benchmarks/results/compile-<YYYY-MM-DD>.{md,json}`` (``--quick``: only with ``--results-dir``).
+Results: ``benchmarks/results/compile-<YYYY-MM-DD>.{md,json}`` with the machine and its measured matmul peaks
+(``--quick``: only with ``--results-dir``).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import resource
 import shutil
 import statistics
 import subprocess
@@ -45,9 +44,10 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-import _machine  # the benchmarks' shared machine description (benchmarks/_machine.py)
 
-REPO = Path(__file__).resolve().parents[1]
+from harness import launch, machine, proc, results as results_files
+
+REPO = launch.REPO
 STATES = ("off", "cold", "warm")
 DTYPES = ("fp32", "bf16")
 
@@ -77,7 +77,7 @@ def worker(config: str, steps: int, overrides: list[str]) -> None:
     walls, cpus, losses = [], [], []
     for _ in range(steps):
         w, c = time.perf_counter(), time.process_time()
-        loss, _ = trainer.train_step(trainer.sampler.next_step())
+        loss, _ = trainer.train_step()
         walls.append(time.perf_counter() - w)
         cpus.append(time.process_time() - c)
         losses.append(loss)
@@ -92,15 +92,14 @@ def run_steps(config: str, steps: int, overrides: list[str], dtype: str, state: 
     shutil.rmtree(out, ignore_errors=True)
     args = [*COMMON, *overrides, f"train.output_dir={out}", f"train.amp.enabled={dtype == 'bf16'}",
             "train.amp.dtype=bf16", f"train.compile.enabled={state != 'off'}", "train.peak_tflops=1.0"]
-    env = dict(os.environ, DUFU_CACHE_DIR=str(cache_dir), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
-               PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(threads))
-    t0, b0 = time.perf_counter(), _machine.system_busy_seconds()
-    proc = subprocess.run([sys.executable, __file__, "--worker", config, str(steps), *args], env=env, cwd=REPO,
-                          capture_output=True, text=True)
-    wall, b1 = time.perf_counter() - t0, _machine.system_busy_seconds()
-    if proc.returncode != 0:
-        raise SystemExit(f"worker failed ({config} {dtype} {state}):\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    r = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    env = launch.job_env(cache_dir, threads, {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir)})
+    t0, b0 = time.perf_counter(), proc.system_busy_seconds()
+    job = subprocess.run([sys.executable, __file__, "--worker", config, str(steps), *args], env=env, cwd=REPO,
+                         capture_output=True, text=True)
+    wall, b1 = time.perf_counter() - t0, proc.system_busy_seconds()
+    if job.returncode != 0:
+        raise SystemExit(f"worker failed ({config} {dtype} {state}):\n{job.stdout[-3000:]}\n{job.stderr[-5000:]}")
+    r = json.loads(next(line for line in job.stdout.splitlines() if line.startswith("RESULT "))[7:])
     warm = max(2, steps // 4)  # steps counted as warm-up: compilation happens in the first two (forward, backward)
     res = {"config": config, "dtype": dtype, "state": state, "steps": steps, "threads": threads,
            "process_wall_s": wall, "build_wall_s": r["build_wall_s"], "last_loss": r["losses"][-1]}
@@ -110,8 +109,7 @@ def run_steps(config: str, steps: int, overrides: list[str], dtype: str, state: 
         res[f"first_{kind}_s"] = r[kind][0]
         res[f"warmup_{kind}_s"] = sum(r[kind][:warm]) - warm * steady
     # the share of the machine's CPU time other processes used while this one ran (0: a quiet machine)
-    res["other_load"] = (max(0.0, (b1 - b0) - sum(r["cpu"]) - r["build_cpu_s"]) / (wall * (os.cpu_count() or 1))
-                         if b0 is not None else None)
+    res["other_load"] = proc.other_load(b0, b1, sum(r["cpu"]) + r["build_cpu_s"], wall)
     return res
 
 
@@ -123,18 +121,16 @@ def run_one(config: str, overrides: list[str], dtype: str, state: str, workdir: 
     shutil.rmtree(out, ignore_errors=True)
     cmd = [sys.executable, "-m", "dufu", "train", config, f"train.output_dir={out}", *COMMON, *overrides,
            f"train.amp.enabled={dtype == 'bf16'}", "train.amp.dtype=bf16", f"train.compile.enabled={state != 'off'}"]
-    env = dict(os.environ, DUFU_CACHE_DIR=str(cache_dir), TORCHINDUCTOR_CACHE_DIR=str(inductor_dir),
-               TORCH_LOGS="recompiles", PYTHONPATH=str(REPO))
-    env.pop("OMP_NUM_THREADS", None)  # torch's default: one thread per core
-    if threads:
-        env["OMP_NUM_THREADS"] = str(threads)
-    r0, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
-    wall, r1 = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
-    cpu = (r1.ru_utime + r1.ru_stime) - (r0.ru_utime + r0.ru_stime)  # the run and the compiler processes it waited for
-    if proc.returncode != 0:
-        raise SystemExit(f"failed: {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}")
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    # threads None: torch's default, one thread per core
+    env = launch.job_env(cache_dir, threads or 0, {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir),
+                                                       "TORCH_LOGS": "recompiles"})
+    c0, t0 = proc.children_cpu_seconds(), time.perf_counter()
+    job = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    cpu = proc.children_cpu_seconds() - c0  # the run and the compiler processes it waited for
+    if job.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(cmd)}\n{job.stdout[-3000:]}\n{job.stderr[-5000:]}")
+    records = launch.read_records(out)
     windows = [r for r in records if "step_time_s" in r]
     steps = [w["step"] - (windows[i - 1]["step"] if i else 0) for i, w in enumerate(windows)]
     seconds = [w["step_time_s"] * n for w, n in zip(windows, steps)]
@@ -144,7 +140,7 @@ def run_one(config: str, overrides: list[str], dtype: str, state: str, workdir: 
     return {"config": config, "dtype": dtype, "state": state, "wall_s": wall, "cpu_s": cpu, "train_s": sum(seconds),
             "steps": sum(steps), "steady_step_s": steady, "first_window_steps": steps[0],
             "warmup_s": seconds[0] - steps[0] * steady, "other_s": wall - sum(seconds),
-            "recompiles": proc.stderr.count("Recompiling function"), "last_loss": last_loss,
+            "recompiles": job.stderr.count("Recompiling function"), "last_loss": last_loss,
             "last_eval_loss": evals[-1]["eval_loss"] if evals else None,
             "inductor_cache_mb": _dir_mb(inductor_dir)}
 
@@ -154,7 +150,7 @@ def _dir_mb(path: Path) -> float:
 
 
 def machine_info() -> dict:
-    return _machine.machine_info(compiler=shutil.which("g++") or shutil.which("c++"))
+    return machine.describe(compiler=shutil.which("g++") or shutil.which("c++"))
 
 
 def summarise(step_rows: list[dict]) -> list[dict]:
@@ -185,11 +181,11 @@ def markdown(result: dict) -> str:
     lines = [f"# compile benchmark, {result['date']}", "",
              f"`python benchmarks/compile.py{' ' + ' '.join(result['argv']) if result['argv'] else ''}`", "",
              f"Machine: {m['cpu']} ({', '.join(m['cpu_features'])}), {m['logical_cpus']} logical CPUs; torch "
-             f"{m['torch']}, Python {m['python']}, C++ compiler {m['compiler']}. Load average "
+             f"{m['torch']}, Python {m['python']}, C++ compiler {m['compiler']}; {machine.peaks_text(m)}. Load average "
              f"{result['loadavg_start']} at start, {result['loadavg_end']} at end; the run took "
              f"{result['seconds'] / 60:.1f} min.", ""]
     if result["steps"]:
-        lines += ["## Training steps (Trainer.train_step in a fresh process per row)", "",
+        lines += ["## Training steps (Trainer.train_step() in a fresh process per row)", "",
                   f"{result['threads']} torch thread(s) per process. Steady = median over the steps after the "
                   "warm-up steps (a quarter of them, at least 2); warm-up = the warm-up steps' time minus as many "
                   "steady steps. CPU = this process's CPU time (inductor's compiler workers not included), which "
@@ -251,6 +247,7 @@ def main() -> None:
         config, steps, *overrides = args.worker
         return worker(config, int(steps), overrides)
     start, load0 = time.time(), [round(x, 2) for x in os.getloadavg()]
+    info = machine_info()
     steps_rows, recipe_rows = [], []
     with tempfile.TemporaryDirectory(prefix="dufu-compile-bench-") as tmp:
         tmp = Path(tmp)
@@ -282,20 +279,17 @@ def main() -> None:
                     print(f"recipe default    {dtype} {state:4s}: wall {row['wall_s']:6.1f} s, steady step "
                           f"{row['steady_step_s']:.4f} s, warm-up {row['warmup_s']:6.1f} s, other "
                           f"{row['other_s']:5.1f} s, recompiles {row['recompiles']}", flush=True)
-    result = {"date": _dt.date.today().isoformat(), "argv": sys.argv[1:], "machine": machine_info(),
+    result = {"date": results_files.today(), "argv": sys.argv[1:], "machine": info,
               "threads": args.threads, "loadavg_start": load0, "loadavg_end": [round(x, 2) for x in os.getloadavg()],
               "recipe_threads": args.recipe_threads, "recipe_iters": args.recipe_iters, "seconds": time.time() - start, "steps": steps_rows,
               "recipe": recipe_rows,
               "summary": summarise(steps_rows)}
     text = markdown(result)
     print("\n" + text)
-    if args.quick and args.results_dir is None:
+    out = results_files.results_dir(args.results_dir, args.quick)
+    if out is None:
         return
-    out = Path(args.results_dir or REPO / "benchmarks" / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"compile-{result['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(text)
+    stem = results_files.write(results_files.stem(out, "compile", result["date"]), result, text)
     print(f"wrote {stem}.md and .json")
 
 
@@ -303,9 +297,8 @@ def prime(config: str, overrides: list[str], tmp: Path, cache_dir: Path) -> None
     """One step of ``config`` so that its tokenizer and tokenized corpus are cached before anything is timed."""
     args = dict.fromkeys([*COMMON, *QUIET, *overrides, "train.train_iter=1"])  # each key once
     out = tmp / f"prime-{config}"  # a run directory of its own: dufu does not train into a finished run's
-    subprocess.run([sys.executable, "-m", "dufu", "train", config, f"train.output_dir={out}", *args],
-                   env=dict(os.environ, DUFU_CACHE_DIR=str(cache_dir), PYTHONPATH=str(REPO)), cwd=REPO,
-                   capture_output=True, check=True)
+    subprocess.run(launch.dufu_train([config, f"train.output_dir={out}", *args]), env=launch.job_env(cache_dir, None),
+                   cwd=REPO, capture_output=True, check=True)
 
 
 if __name__ == "__main__":

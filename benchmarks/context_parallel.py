@@ -18,26 +18,27 @@ time (the previous length's at that cp, times the growth of the step's cost) wou
 or whose predicted memory would not fit in the machine's available memory, is not run, and the results say so.
 
 **Peak activation memory of a rank** = the kernel's high-water mark of the process's resident memory (``VmHWM`` in
-``/proc/self/status``) during the last training step, minus its resident memory (``VmRSS``) just before that step,
-the high-water mark having been reset there (``5`` written to ``/proc/self/clear_refs``, as benchmarks/_worker.py
-does). The trainer records no memory itself (``dufu.engine.report`` logs loss, tokens/s and MFU), so this file
-takes the readings around ``Trainer.train_step``. Weights, optimizer state and the data are resident before the
-step, so the difference is what the step allocates on top: activations saved for the backward, the backward's
-temporaries and the gradients (the trainer frees them after every update: ``zero_grad(set_to_none=True)``, 0.5 MiB
-here). Every worker runs with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then serves every allocation of 64 KiB or
-more with its own mapping and returns it to the system when freed, so resident memory follows the live tensors
-instead of keeping freed heap (without it glibc raises its mapping threshold after the first frees, up to 32 MiB,
-and a step's activations would reuse memory already resident before the step, which the difference would miss).
-The figure reported for a cp size is the largest over its ranks (their chunks are load balanced: they agree).
+``/proc/self/status``) during the last training step, minus its resident memory (``VmRSS``) just before that step, the
+high-water mark having been reset there (``5`` written to ``/proc/self/clear_refs``). The trainer records no memory
+itself (``dufu.engine.report`` logs loss, tokens/s and MFU), so a hook of the trainer
+(``benchmarks/context_parallel_probe.py``, given to every worker through ``train.hooks``) takes the readings from the
+start of each step to its end (``on_step_start``, ``after_optimizer``). Weights, optimizer state and the data are
+resident before the step, so the difference is what the step allocates on top: activations saved for the backward, the
+backward's temporaries and the gradients (the trainer frees them after every update: ``zero_grad(set_to_none=True)``,
+0.5 MiB here). Every worker runs with ``MALLOC_MMAP_THRESHOLD_=65536``: glibc then serves every allocation of 64 KiB
+or more with its own mapping and returns it to the system when freed, so resident memory follows the live tensors
+instead of keeping freed heap (without it glibc raises its mapping threshold after the first frees, up to 32 MiB, and
+a step's activations would reuse memory already resident before the step, which the difference would miss). The figure
+reported for a cp size is the largest over its ranks (their chunks are load balanced: they agree).
 
 **What the memory is made of.** The first step (a warm-up for the timing) runs under
 ``torch.autograd.graph.saved_tensors_hooks`` that record every tensor autograd saves for the backward, each storage
-once, parameters left out: the activation memory proper, held from the forward to the backward. Tensors saved inside
-:meth:`ContextParallel.attention` are sorted into the whole sequence's keys and values (``ContextParallel.gather``'s
+once, parameters left out: the activation memory proper, held from the forward to the backward. Tensors saved while
+``ContextParallel.attention`` runs are sorted into the whole sequence's keys and values (``ContextParallel.gather``'s
 outputs and the copies attention makes of them), the causal masks each chunk builds (and what
 ``scaled_dot_product_attention`` makes of a boolean mask), and the rank's own queries, outputs and log-sum-exps;
-every other saved tensor is "the rest" (norms, projections, rotary, SwiGLU, logits). Both readings are wrappers
-that change nothing the trainer computes.
+every other saved tensor is "the rest" (norms, projections, rotary, SwiGLU, logits). Neither reading changes
+anything the trainer computes.
 
 **Tokens/s** = T / the slowest rank's wall time of the last step (the step waits for every rank at each
 all-gather). Each process runs one torch thread, so cp ranks are cp cores' worth of work: **cp 4 runs 4 processes
@@ -51,12 +52,8 @@ sequence length, one line per cp), with the CPU model, torch version and the duf
 from __future__ import annotations
 
 import argparse
-import contextlib
-import datetime as _dt
-import hashlib
 import json
 import os
-import resource
 import shlex
 import subprocess
 import sys
@@ -64,14 +61,8 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
-if str(REPO) not in sys.path:
-    sys.path.insert(1, str(REPO))  # dufu, when run as `python benchmarks/context_parallel.py` or as a worker
+from harness import launch, machine, proc, results as results_files
 
-import _machine  # noqa: E402  (the benchmarks' shared machine description, benchmarks/_machine.py)
-
-RECORDS_ENV = "DUFU_BENCH_CP_DIR"  # a worker writes its readings there (rank<R>.json)
 MIB = 2**20
 
 SHAPES = {
@@ -91,158 +82,10 @@ RUN_SETTINGS = ["train.amp.enabled=False", "train.compile.enabled=False", "train
                 "dataloader.train.valid_fraction=0"]
 WORKER_ENV = {"OMP_NUM_THREADS": "1",  # one thread per process: cp ranks stand for cp devices
               "MALLOC_MMAP_THRESHOLD_": "65536"}  # resident memory follows the live tensors (module docstring)
-CATEGORIES = ("gathered K/V", "masks", "attention, local", "rest")
 
 
 def log(msg: str) -> None:
     print(f"[context_parallel] {msg}", flush=True)
-
-
-# ============================================================================ worker: readings around the step
-def _status_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise KeyError(field)
-
-
-def _reset_high_water_mark() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
-
-
-class SavedTensors:
-    """Bytes autograd saves for the backward during one step, each storage once, by :data:`CATEGORIES`."""
-
-    def __init__(self):
-        self.storages: dict = {}  # data_ptr -> (category, bytes, dtype)
-        self.skip: set = set()  # parameters' storages (weights saved for a matmul's backward are not activations)
-        self.gathered: set = set()  # storages ContextParallel.gather returned
-        self.attention = None  # (head dim, local tokens, chunk) while ContextParallel.attention runs
-        self.bool_dtype = None  # torch.bool, set by install() (torch is imported in the worker only)
-
-    def category(self, t, ptr: int) -> str:
-        if self.attention is None:
-            return "rest"
-        hs, local, chunk = self.attention
-        if ptr in self.gathered:
-            return "masks" if t.dtype == self.bool_dtype or t.dim() == 2 else "gathered K/V"
-        if t.dim() >= 3 and t.shape[-1] == hs:  # (B, heads, tokens, hs)
-            # a chunk's queries and outputs hold `chunk` tokens, the rank's `local`; longer: keys of the sequence
-            return "attention, local" if t.shape[-2] in (chunk, local) else "gathered K/V"
-        if t.dim() == 3 or t.dim() <= 1:  # (B, heads, chunk): a log-sum-exp; (n,): the gather's token order
-            return "attention, local"
-        return "masks"  # (chunk, keys) or (B, 1, chunk, keys): boolean, or an additive float made from one
-
-    def pack(self, t):
-        import torch
-
-        if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-            return t
-        try:
-            storage = t.untyped_storage()
-            storage.data_ptr()
-        except (RuntimeError, NotImplementedError):  # a tensor without storage of its own (a DTensor's wrapper)
-            return t
-        if t.is_leaf and t.requires_grad:  # a weight (a parameter's unsharded copy among them)
-            return t
-        ptr = storage.data_ptr()
-        if ptr not in self.skip and ptr not in self.storages:
-            self.storages[ptr] = (self.category(t, ptr), storage.nbytes(), str(t.dtype).replace("torch.", ""))
-        return t
-
-    def summary(self) -> dict:
-        by = dict.fromkeys(CATEGORIES, 0)
-        dtypes: dict = {}
-        for cat, nbytes, dtype in self.storages.values():
-            by[cat] += nbytes
-            if cat == "masks":
-                dtypes[dtype] = dtypes.get(dtype, 0) + nbytes
-        return {"bytes": by, "total_bytes": sum(by.values()), "mask_bytes_by_dtype": dtypes,
-                "tensors": len(self.storages)}
-
-
-def _local(t):
-    """A DTensor's local tensor (parameters under data x context parallelism are DTensors), else ``t``."""
-    return t.to_local() if hasattr(t, "to_local") else t
-
-
-def install(out_dir: Path) -> None:
-    """Wrap ``Trainer.train_step`` (memory and time readings), ``Trainer.train`` (write them) and
-    ``ContextParallel.attention`` / ``gather`` (to sort the saved tensors); nothing the run computes changes."""
-    import torch
-
-    import dufu.parallel.context_parallel as cp_mod
-    from dufu.engine.trainer import Trainer
-
-    steps: list = []
-    saved = SavedTensors()
-    saved.bool_dtype = torch.bool
-    train_step, train = Trainer.train_step, Trainer.train
-    attention, gather = cp_mod.ContextParallel.attention, cp_mod.ContextParallel.gather
-
-    def recorded_attention(self, q, *args, **kwargs):
-        before = saved.attention
-        saved.attention = (q.shape[-1], q.shape[2], q.shape[2] // 2)  # (head dim, local tokens, chunk)
-        try:
-            return attention(self, q, *args, **kwargs)
-        finally:
-            saved.attention = before
-
-    def recorded_gather(self, x, dim):
-        out = gather(self, x, dim)
-        saved.gathered.add(out.untyped_storage().data_ptr())
-        return out
-
-    def measured_step(self, micro_batches):
-        first = not steps
-        if first:  # the warm-up step: sort what autograd saves (the timed last step runs without hooks)
-            saved.skip = {_local(p).untyped_storage().data_ptr() for part in self.model_parts
-                          for p in part.parameters()}
-            hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t)
-        else:
-            hooks = contextlib.nullcontext()
-        reset = _reset_high_water_mark()
-        rss0 = _status_kib("VmRSS")
-        cpu0, wall0 = time.process_time(), time.perf_counter()
-        with hooks:
-            out = train_step(self, micro_batches)
-        wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-        hwm, rss1 = _status_kib("VmHWM"), _status_kib("VmRSS")
-        steps.append({"rss_before_kib": rss0, "hwm_kib": hwm, "rss_after_kib": rss1, "peak_delta_kib": hwm - rss0,
-                      "hwm_reset": reset, "wall_s": wall, "cpu_s": cpu, "loss": out[0]})
-        if first:
-            saved.gathered.clear()
-        return out
-
-    def recorded_train(self):
-        result = train(self)  # before finish_distributed, which leaves through os._exit
-        out_dir.mkdir(parents=True, exist_ok=True)
-        cp = self.dims.context_parallel_size if self.dims.cp_enabled else 1
-        record = {"rank": self.rank, "cp": cp, "seq_length": self.seq_length, "steps": steps,
-                  "saved": saved.summary(), "parameters": self.num_parameters,
-                  "threads": torch.get_num_threads()}
-        tmp = out_dir / f".rank{self.rank}.json.tmp"
-        tmp.write_text(json.dumps(record))
-        os.replace(tmp, out_dir / f"rank{self.rank}.json")
-        return result
-
-    Trainer.train_step, Trainer.train = measured_step, recorded_train
-    cp_mod.ContextParallel.attention, cp_mod.ContextParallel.gather = recorded_attention, recorded_gather
-
-
-def worker(argv: list[str]) -> int:
-    if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
-        sys.path[0] = str(REPO)  # as under `python -m dufu`: dufu first, benchmarks/ not importable
-    install(Path(os.environ[RECORDS_ENV]))
-    from dufu.cli import main as dufu_main
-
-    return dufu_main(argv)
 
 
 # ============================================================================ the runs
@@ -253,66 +96,49 @@ def train_argv(T: int, cp: int, shape: dict, steps: int, output_dir: Path | None
     return argv + ([f"train.output_dir={output_dir}"] if output_dir is not None else [])
 
 
-def worker_command(T: int, cp: int, shape: dict, steps: int, output_dir: Path) -> list[str]:
-    """The torchrun command that runs ``dufu train`` through this file's worker mode, ``cp`` processes."""
-    from dufu.parallel.launch import torchrun_command
-
-    cmd = torchrun_command(cp, train_argv(T, cp, shape, steps, output_dir))
-    i = cmd.index("-m", 3)  # `-m dufu train ...` -> this file in worker mode
-    return cmd[:i] + [str(Path(__file__).resolve()), "--worker", "train"] + cmd[i + 3:]
-
-
-def _children_cpu() -> float:
-    r = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return r.ru_utime + r.ru_stime
+def worker_command(T: int, cp: int, shape: dict, steps: int, output_dir: Path, records: Path) -> list[str]:
+    """The torchrun command of ``dufu train --nproc CP`` (``cp`` workers), with the readings' hook."""
+    return launch.torchrun_train(cp, [*train_argv(T, cp, shape, steps, output_dir), launch.hooks_override(
+        ("context_parallel_probe.ActivationProbe", {"out_dir": records}))])
 
 
 def available_memory_bytes() -> int | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return None
+    free = proc.meminfo_kib("MemAvailable")
+    return None if free is None else free * 1024
 
 
 def run_point(T: int, cp: int, shape: dict, steps: int, workdir: Path, timeout: float) -> dict:
     run, records = workdir / f"T{T}-cp{cp}", workdir / f"T{T}-cp{cp}-readings"
-    cmd = worker_command(T, cp, shape, steps, run)
-    env = {**os.environ, **WORKER_ENV, RECORDS_ENV: str(records),
-           "PYTHONPATH": os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):  # a job of its own
-        env.pop(key, None)
-    busy0, cpu0, t0 = _machine.system_busy_seconds(), _children_cpu(), time.perf_counter()
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+    cmd = worker_command(T, cp, shape, steps, run, records)
+    env = launch.job_env(threads=None, extra=WORKER_ENV)
+    busy0, cpu0, t0 = proc.system_busy_seconds(), proc.children_cpu_seconds(), time.perf_counter()
+    job = subprocess.Popen(cmd, cwd=launch.REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           start_new_session=True)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout)
+        stdout, stderr = job.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        proc.terminate()  # torchrun passes SIGTERM on to its workers (each in a session of its own) and stops them
+        job.terminate()  # torchrun passes SIGTERM on to its workers (each in a session of its own) and stops them
         try:
-            proc.communicate(timeout=60)
+            job.communicate(timeout=60)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.communicate()
+            job.kill()
+            job.communicate()
         return {"seq_length": T, "cp": cp, "status": "timed out", "wall_s": time.perf_counter() - t0,
                 "reason": f"not finished within {timeout:.0f} s (stopped)"}
-    wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
-    busy1 = _machine.system_busy_seconds()
-    if proc.returncode != 0:
-        return {"seq_length": T, "cp": cp, "status": "failed", "wall_s": wall, "returncode": proc.returncode,
-                "reason": f"exit {proc.returncode}", "stderr_tail": stderr[-3000:],
+    wall, cpu = time.perf_counter() - t0, proc.children_cpu_seconds() - cpu0
+    busy1 = proc.system_busy_seconds()
+    if job.returncode != 0:
+        return {"seq_length": T, "cp": cp, "status": "failed", "wall_s": wall, "returncode": job.returncode,
+                "reason": f"exit {job.returncode}", "stderr_tail": stderr[-3000:],
                 "errors": [line for line in stderr.splitlines() if "rror" in line][:10]}
-    ranks = [json.loads((records / f"rank{r}.json").read_text()) for r in range(cp)]
+    ranks = launch.read_rank_files(records, cp)
     last = [rk["steps"][-1] for rk in ranks]
     peaks = [s["peak_delta_kib"] * 1024 for s in last]
     step_s = max(s["wall_s"] for s in last)  # the slowest rank: the others wait for it at every all-gather
     saved = [rk["saved"] for rk in ranks]
     worst = max(range(cp), key=lambda r: saved[r]["total_bytes"])
-    other = None
-    if busy0 is not None and busy1 is not None:  # the share of the machine's CPU time other processes used
-        other = max(0.0, min(1.0, (busy1 - busy0 - cpu) / (wall * (os.cpu_count() or 1))))
+    other = proc.other_load(busy0, busy1, cpu, wall)  # the share of the machine's CPU time other processes used
+    other = None if other is None else min(1.0, other)
     return {"seq_length": T, "cp": cp, "status": "ok", "wall_s": wall,
             "peak_activation_bytes": max(peaks), "peak_activation_bytes_per_rank": peaks,
             "first_step_peak_bytes_per_rank": [rk["steps"][0]["peak_delta_kib"] * 1024 for rk in ranks],
@@ -411,23 +237,6 @@ def expected_kv_bytes(T: int, cp: int, shape: dict) -> int:
     return shape["num_layers"] * 2 * shape["num_key_value_heads"] * T * hs * 4 if cp > 1 else 0
 
 
-# ============================================================================ the code measured
-def _file_digests() -> dict:
-    return {f.relative_to(REPO).as_posix(): hashlib.sha256(f.read_bytes()).hexdigest()
-            for f in sorted((REPO / "dufu").rglob("*.py"))}
-
-
-def code_state() -> dict:
-    def git(*a) -> str:
-        try:
-            return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-
-    changed = [line[3:] for line in git("status", "--porcelain", "--", "dufu").splitlines()]
-    return {"commit": git("rev-parse", "--short", "HEAD") or None, "changed": changed}
-
-
 # ============================================================================ report
 def _mib(x) -> str:
     return "-" if x is None else f"{x / MIB:,.1f}"
@@ -489,7 +298,8 @@ def report(result: dict) -> str:
                                             if code["changed"] else "")
     lines = [f"# Context parallelism on the CPU - {result['date']}", "", f"`{result['command']}`", "",
              f"Machine: {m['cpu']} ({', '.join(m['cpu_features'])}), {m['logical_cpus']} logical CPUs; torch "
-             f"{m['torch']}, Python {m['python']}; {m['platform']}. Code: {code_text}. The run took "
+             f"{m['torch']}, Python {m['python']}; {m['platform']}"
+             + (f"; {machine.peaks_text(m)}" if machine.peaks_text(m) else "") + f". Code: {code_text}. The run took "
              f"{result['wall_s'] / 60:.1f} min; load average {result['load_avg_start']} at the start, "
              f"{result['load_avg_end']} at the end: **a machine shared with other work, so tokens/s are noisy**; "
              "memory is not affected by it.", "",
@@ -587,9 +397,7 @@ def finish(result: dict, stem: Path | None) -> str:
         result["plot"] = stem.with_suffix(".png").name
     text = report(result)
     if stem is not None:
-        stem.parent.mkdir(parents=True, exist_ok=True)
-        stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-        stem.with_suffix(".md").write_text(text + "\n")
+        results_files.write(stem, result, text)
         if ok:
             plot(result, stem.with_suffix(".png"))
         log(f"wrote {stem}.md, .json{', .png' if ok else ''}")
@@ -604,9 +412,6 @@ def write_again(path: Path) -> int:
 
 
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        return worker(argv[1:])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model, 128 tokens, cp 1 and 2 (a smoke run)")
     ap.add_argument("--seq-lengths", type=int, nargs="+", default=None)
@@ -614,9 +419,11 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=None, help="training steps per point, the last one measured")
     ap.add_argument("--budget-minutes", type=float, default=None,
                     help="points predicted to end past this are not run (default 22)")
-    ap.add_argument("--results-dir", default=None, help=f"where results go (default {RESULTS}; --quick: nowhere)")
+    ap.add_argument("--results-dir", default=None,
+                    help="where results go (default benchmarks/results; --quick: nowhere)")
     ap.add_argument("--report", default=None, metavar="JSON",
                     help="measure nothing: write the .md and .png of an earlier results JSON of this script again")
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     if args.report:
         return write_again(Path(args.report))
@@ -628,22 +435,22 @@ def main(argv=None) -> int:
             runs[key] = tuple(value) if isinstance(value, list) else value
     if runs["steps"] < 2:
         ap.error("--steps: at least 2 (the first sorts the saved tensors, the last is measured)")
-    results_dir = Path(args.results_dir) if args.results_dir else (None if args.quick else RESULTS)
+    results_dir = results_files.results_dir(args.results_dir, args.quick)
     t0 = time.perf_counter()
-    date = _dt.date.today().isoformat()
+    date = results_files.today()
     result = {"date": date, "command": shlex.join(["python", "benchmarks/context_parallel.py", *argv]),
               "quick": args.quick, "shape": shape, "steps": runs["steps"], "seq_lengths": list(runs["seq_lengths"]),
               "cp_sizes": list(runs["cp_sizes"]), "budget_minutes": runs["budget_minutes"],
               "worker_env": WORKER_ENV, "load_avg_start": [round(x, 2) for x in os.getloadavg()],
-              "code": code_state()}
-    digests = _file_digests()
+              "code": machine.code_state(), "machine": machine.describe()}
+    digests = machine.dufu_digests()
     with tempfile.TemporaryDirectory(prefix="dufu-cp-") as tmp:
         result["points"] = measure(runs, shape, Path(tmp), t0)
-    now = _file_digests()  # every point starts new processes: a file changed meanwhile splits the run's code
-    result["code_changed_during_run"] = sorted(f for f in set(digests) | set(now) if digests.get(f) != now.get(f))
+    # every point starts new processes: a file changed meanwhile splits the run's code
+    result["code_changed_during_run"] = machine.changed_since(digests)
     ok = [d for d in result["points"] if d["status"] == "ok"]
     result["parameters"] = ok[0]["parameters"] if ok else None
-    result["machine"] = _machine.machine_info(torch_threads=ok[0]["threads"] if ok else None)
+    result["machine"]["torch_threads"] = ok[0]["threads"] if ok else None  # the workers'; the peaks say their own
     result["wall_s"] = time.perf_counter() - t0
     result["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     print(finish(result, results_dir / f"context-parallel-{date}" if results_dir is not None else None))
@@ -652,4 +459,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

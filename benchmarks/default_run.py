@@ -14,14 +14,14 @@ the run chose (the start-up summary's `precision` line).
 The runs share one compile/data cache directory (a first run that tokenizes the corpus would otherwise pay
 for the others): a warm-up run of 5 steps fills it before anything is timed.
 
-Results: benchmarks/results/default_run-<YYYY-MM-DD>.json and .md, with the CPU model, its measured fp32 and
-bf16 matmul peaks, and the load average (a busy machine makes absolute times long; compare the ratios).
+Results: benchmarks/results/default_run-<YYYY-MM-DD>.json and .md, with the machine (CPU model, its fp32 and bf16
+matmul peaks measured by dufu at the start), and the load average (a busy machine makes absolute times long;
+compare the ratios).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import platform
@@ -32,12 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+import torch
 
-import torch  # noqa: E402
+from harness import launch, machine, results as results_files
 
-from dufu.engine.flops import _cpu_name, device_peak_flops  # noqa: E402
+REPO = launch.REPO
 
 SETTINGS = {"auto": "auto", "fp32": "false", "bf16": "bf16"}
 
@@ -69,22 +68,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--quick", action="store_true", help="40 steps per run")
-    ap.add_argument("--results-dir", type=Path, default=REPO / "benchmarks" / "results")
+    ap.add_argument("--results-dir", type=Path, default=results_files.RESULTS)
     args = ap.parse_args()
 
     extra = ["train.train_iter=40", "train.evaluation.eval_period=20", "train.checkpointer.period=0"] \
         if args.quick else []
-    cpu = _cpu_name()
     load_start = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="dufu-default-run-") as tmp:
         work = Path(tmp)
         # One cache for this process and the runs: the peaks measured here are the ones the runs decide on.
         os.environ["DUFU_CACHE_DIR"] = str(work / "cache")
-        env = dict(os.environ)
-        peaks = {}
-        for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-            for _ in range(3):  # the cache keeps the best of three readings
-                peaks[name] = device_peak_flops(torch.device("cpu"), dtype)[0]
+        env = launch.job_env(work / "cache", threads=None)
+        info = machine.describe()  # dufu's measurement of the peaks, kept as the runs' MFU basis in the cache
+        cpu = info["cpu"]
+        peaks = {k: 1e9 * info["matmul_peaks_gflops"][k] for k in ("fp32", "bf16")}
         run_once("fp32", work, env, ["train.train_iter=5", "train.evaluation.enabled=False",
                                      "train.generation.enabled=False", "train.checkpointer.period=0"])
         order = list(SETTINGS)
@@ -102,12 +99,12 @@ def main() -> None:
 
     fastest_explicit = min(best("fp32", "wall_s"), best("bf16", "wall_s"))
     ratio = best("auto", "wall_s") / fastest_explicit
-    date = _dt.date.today().isoformat()
+    date = results_files.today()
     data = {
         "date": date, "cpu": cpu, "threads": torch.get_num_threads(), "torch": torch.__version__,
         "python": platform.python_version(), "peaks_gflops": {k: v / 1e9 for k, v in peaks.items()},
         "load_avg_start": load_start, "load_avg_end": load_end, "quick": args.quick, "runs": results,
-        "auto_vs_fastest_explicit_wall": ratio,
+        "auto_vs_fastest_explicit_wall": ratio, "machine": info,
     }
     lines = [
         f"# The main job by precision - {date}", "",
@@ -123,10 +120,8 @@ def main() -> None:
         lines.append(f"| {r['setting']} | {r['precision']} | {r['wall_s']:.1f} | {r['loop_s']:.1f} | {ppl} |")
     lines += ["", f"auto / faster of fp32 and bf16 (best wall time of each): **{ratio:.3f}** (target <= 1.05)."]
     print("\n".join(lines))
-    if not args.quick or args.results_dir != REPO / "benchmarks" / "results":
-        args.results_dir.mkdir(parents=True, exist_ok=True)
-        (args.results_dir / f"default_run-{date}.json").write_text(json.dumps(data, indent=1))
-        (args.results_dir / f"default_run-{date}.md").write_text("\n".join(lines) + "\n")
+    if not args.quick or args.results_dir != results_files.RESULTS:
+        results_files.write(results_files.stem(args.results_dir, "default_run", date), data, "\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -15,9 +15,9 @@ sequence 64; 29.4M parameters; fp32, no dropout) trained three ways from the sam
 Each in two layouts: one process, and dp2 with ZeRO-3 (FSDP2; the frozen base is sharded too). Micro-batch 4
 per rank (so the global batch is 4 and 8), ``--steps`` steps (the trainer saves a checkpoint after the last),
 one thread per process. Each run is started as ``python -m torch.distributed.run --standalone --nproc-per-node N
-benchmarks/_worker.py train CONFIG ...`` with a small config file written by this script (gpt_debug plus the
-``delta`` line); ``_worker.py`` (shared with benchmarks/parallel.py) runs ``dufu.cli.main`` and records every
-rank's peak resident set size in the build, train and checkpoint phases, with glibc's
+-m dufu train CONFIG ...`` with a small config file written by this script (gpt_debug plus the ``delta`` line)
+and a hook of the trainer (``train.hooks``, ``benchmarks/harness/memory.py``, as in benchmarks/parallel.py) that
+records every rank's peak resident set size in the build, train and checkpoint phases, with glibc's
 ``MALLOC_MMAP_THRESHOLD_=65536`` so RSS follows the live tensors (see benchmarks/parallel.py).
 
 **Columns.** Trainable parameters: counted on the meta-device model with the delta applied (and checked against
@@ -47,24 +47,20 @@ unless ``--results-dir`` is given). Run directories and ``DUFU_CACHE_DIR`` live 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
 import os
 import re
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from _machine import machine_info  # noqa: E402  (benchmarks/_machine.py)
-from parallel import (  # noqa: E402  the memory-recording machinery of benchmarks/parallel.py
-    ALLOCATORS, BASELINE_MODEL, COMMON, MEMORY_MODEL, MEMORY_SEQ, QUICK_MEMORY_MODEL, WORKER, Run, base_env,
-    execute, fmt, model_overrides, prepare_data_cache, read_metrics, read_ranks, table,
+from harness import machine, results as results_files
+from harness.launch import read_metrics
+from harness.memory import memory_job
+from harness.results import fmt, table
+from parallel_memory import (  # the memory model and settings of benchmarks/parallel.py
+    BASELINE_MODEL, COMMON, MEMORY_MODEL, MEMORY_SEQ, QUICK_MEMORY_MODEL, model_overrides, prepare_data_cache,
 )
 
 MiB = 1024 * 1024
@@ -136,19 +132,16 @@ def directory_bytes(path: Path) -> int:
 
 def delta_job(label: str, config: Path, nproc: int, layout_overrides: list[str], model: dict, steps: int,
               work: Path, cache: Path, timeout: float) -> dict:
-    """One memory-recording run (benchmarks/_worker.py under torchrun); its checkpoint's size, step times and
-    every rank's peak RSS."""
+    """One memory-recording run (:func:`harness.memory.memory_job`); its checkpoint's size, step times and every
+    rank's peak RSS."""
     out = work / "runs" / label
-    mem_dir = out / "mem"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(WORKER),
-           "train", str(config), f"train.output_dir={out / 'run'}", *COMMON, f"train.train_iter={steps}",
-           f"train.train_micro_batch_size={MICRO_BATCH}", f"train.global_batch_size={MICRO_BATCH * nproc}",
-           "train.peak_tflops=1.0",  # skip the peak-FLOP/s matmul measurement
-           *model_overrides(model, MEMORY_SEQ), *layout_overrides]
-    env = base_env(cache, 1, {"DUFU_BENCH_MEMORY_DIR": str(mem_dir), **ALLOCATORS["mmap64k"]})
-    run = execute(Run(label, cmd, env, out), timeout)
+    argv = [str(config), *COMMON, f"train.train_iter={steps}", f"train.train_micro_batch_size={MICRO_BATCH}",
+            f"train.global_batch_size={MICRO_BATCH * nproc}",
+            "train.peak_tflops=1.0",  # skip the peak-FLOP/s matmul measurement
+            *model_overrides(model, MEMORY_SEQ), *layout_overrides]
+    run, ranks = memory_job(label, nproc, argv, out, cache, timeout)
     row = {"label": label, "nproc": nproc, "returncode": run.rc, "wall_s": round(run.seconds, 1),
-           "load_avg_before": round(run.load_before, 2), "command": " ".join(cmd[3:])}
+           "load_avg_before": round(run.load_before, 2), "command": " ".join(run.cmd[3:])}
     if run.rc != 0:
         row["error"] = run.log_tail
         return row
@@ -161,7 +154,6 @@ def delta_job(label: str, config: Path, nproc: int, layout_overrides: list[str],
     records = read_metrics(out / "run")
     row["losses"] = [r["loss"] for r in records]
     row["step_times_s"] = [r["step_time_s"] for r in records]
-    ranks = read_ranks(mem_dir, nproc)
     if ranks:
         row["ranks"] = ranks
         row["peak_mib"] = max(r["peak_kb"] for r in ranks) / 1024
@@ -339,7 +331,8 @@ def report(results: dict) -> str:
     info, runs = results["machine"], results["runs"]
     lines = [f"# Delta tuning: full fine-tuning vs LoRA vs BitFit - {results['date']}", ""]
     lines.append(f"Machine: {info['cpu']}, {info['logical_cpus']} logical CPUs; torch {info['torch']}, Python "
-                 f"{info['python']}; load average {results['load_avg_start']} at the start, "
+                 f"{info['python']}; {machine.peaks_text(info) or 'peaks not measured'}; load average "
+                 f"{results['load_avg_start']} at the start, "
                  f"{results['load_avg_end']} at the end. {'Quick smoke run. ' if results['quick'] else ''}"
                  f"Total {results['total_s']:.0f} s.")
     m = runs["model"]
@@ -435,7 +428,7 @@ def main(argv=None) -> int:
         print(msg, flush=True)
 
     t0 = time.perf_counter()
-    results: dict = {"date": _dt.date.today().isoformat(), "quick": args.quick, "machine": machine_info(),
+    results: dict = {"date": results_files.today(), "quick": args.quick, "machine": machine.describe(),
                      "load_avg_start": round(os.getloadavg()[0], 2)}
     try:
         prepare_data_cache()
@@ -455,15 +448,12 @@ def main(argv=None) -> int:
     text = report(results)
     print()
     print(text)
-    if not args.quick or args.results_dir:
-        out = Path(args.results_dir or REPO / "benchmarks" / "results")
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"delta-{results['date']}"
-        stem.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-        stem.with_suffix(".md").write_text(text)
+    out = results_files.results_dir(args.results_dir, args.quick)
+    if out is not None:
+        stem = results_files.write(results_files.stem(out, "delta", results["date"]), results, text)
         print(f"wrote {stem}.json and {stem}.md")
     return 1 if any(r["returncode"] != 0 for r in results["runs"]["rows"] + results["runs"]["baselines"]) else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -24,13 +24,12 @@ Reported per variant: validation loss and perplexity of group 0 at every evaluat
 end: the recipe's eval_iter batches), and of group 1 at the end; bytes all-reduced per step (this rank's payload:
 the sum over the run of the tensors handed to the Manager's all-reduce, from each group's fault_tolerance.jsonl,
 divided by the steps), the ratio to ``dp``; wall time. Results: ``benchmarks/results/diloco-<YYYY-MM-DD>.json``
-and ``.md``, with the machine (CPU model from /proc/cpuinfo).
+and ``.md``, with the machine (CPU model from /proc/cpuinfo, the measured matmul peaks).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
 import subprocess
@@ -39,10 +38,7 @@ import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from _machine import machine_info  # noqa: E402
+from harness import launch, machine, results as results_files
 
 COMMON = ("train.amp.enabled=False", "train.compile.enabled=False", "train.generation.enabled=False",
           "train.tensorboard=False", "train.checkpointer.period=0", "train.fault_tolerance.enabled=True",
@@ -54,8 +50,7 @@ QUICK = ("gpt_debug", ("train.train_iter=8", "train.evaluation.eval_period=4", "
 
 def run_variant(name: str, overrides: list[str], config: str, recipe_args, root: Path, address: str) -> dict:
     """Both groups of one variant, side by side; their records."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(filter(None, (str(REPO),
-                                                                                           os.environ.get("PYTHONPATH")))))
+    env = launch.job_env(threads=1)
     procs, outs = [], []
     start = time.perf_counter()
     for gid in range(2):
@@ -84,13 +79,12 @@ def run_variant(name: str, overrides: list[str], config: str, recipe_args, root:
 
 
 def write_results(data: dict, results_dir: Path) -> Path:
-    results_dir.mkdir(parents=True, exist_ok=True)
-    stem = results_dir / f"diloco-{data['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(data, indent=1) + "\n")
+    stem = results_files.stem(results_dir, "diloco", data["date"])
     dp = data["variants"]["dp"]
     lines = [f"# DiLoCo / LocalSGD vs data parallelism across 2 replica groups ({data['date']})", "",
              f"Recipe `{data['recipe']}` ({data['what']}); machine: {data['machine']['cpu']}, "
-             f"{data['machine']['logical_cpus']} logical CPUs, torch {data['machine']['torch']}, torchft "
+             f"{data['machine']['logical_cpus']} logical CPUs ({machine.peaks_text(data['machine'])}), torch "
+             f"{data['machine']['torch']}, torchft "
              f"{data['torchft']}. Same tokens in every variant. Bytes: this rank's payload handed to the "
              "Manager's all-reduce, counted, averaged over the steps. Inner optimizer: the recipe's AdamW; DiLoCo's "
              "outer optimizer: Nesterov SGD, lr 0.7 and momentum 0.9 (the paper's) unless the variant says otherwise. "
@@ -108,7 +102,7 @@ def write_results(data: dict, results_dir: Path) -> Path:
     for i, e in enumerate(dp["evals"]):
         row = [f"{v['evals'][i]['eval_ppl']:.2f}" if i < len(v["evals"]) else "" for v in data["variants"].values()]
         lines.append(f"| {e['step']} | " + " | ".join(row) + " |")
-    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    results_files.write(stem, data, "\n".join(lines))
     return stem.with_suffix(".md")
 
 
@@ -138,8 +132,9 @@ def main(argv=None) -> int:
                               f"train.fault_tolerance.outer_optimizer.momentum={momentum}"]
         if args.local_sgd:
             variants[f"local_sgd-{h}"] = ["train.fault_tolerance.mode=local_sgd", f"train.fault_tolerance.sync_every={h}"]
-    results_dir = Path(args.results_dir) if args.results_dir else REPO / "benchmarks" / "results"
-    earlier = results_dir / f"diloco-{_dt.date.today().isoformat()}.json"
+    info = machine.describe()
+    results_dir = Path(args.results_dir) if args.results_dir else results_files.RESULTS
+    earlier = results_files.stem(results_dir, "diloco").with_suffix(".json")
     results = json.loads(earlier.read_text())["variants"] if args.append and earlier.exists() else {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, overrides in variants.items():
@@ -152,11 +147,11 @@ def main(argv=None) -> int:
             finally:
                 server.shutdown()
             print(f"{name}: {results[name]}", flush=True)
-    data = {"date": _dt.date.today().isoformat(), "recipe": config,
+    data = {"date": results_files.today(), "recipe": config,
             "what": "scaled down: hidden 128 (the recipe's 256); 2 groups x micro-batch 8 = the recipe's global "
                     "batch of 16, 400 steps; fp32, no compile"
                     if not args.quick else "quick: 8 steps", "torchft": getattr(torchft, "__version__", "0.2.0"),
-            "machine": machine_info(), "variants": results}
+            "machine": info, "variants": results}
     if args.results_dir or not args.quick:
         print(f"wrote {write_results(data, results_dir)}")
     return 0

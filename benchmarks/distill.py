@@ -5,41 +5,35 @@ the same data order, schedule and seed. Both are evaluated with `dufu eval` on t
     python benchmarks/distill.py                 # teacher 400 steps, students 400 steps (~4 minutes on 2 cores)
     python benchmarks/distill.py --steps 200 --teacher-run output/default   # reuse a trained teacher
 
-Writes benchmarks/results/distill-<date>.md and .json. Held-out perplexity does not depend on how busy the
-machine is; the wall times are recorded for reference only.
+Writes benchmarks/results/distill-<date>.md and .json with the machine. Held-out perplexity does not depend on
+how busy the machine is; the wall times are recorded for reference only.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import _machine
-
-REPO = Path(__file__).resolve().parent.parent
-RESULTS = REPO / "benchmarks" / "results"
+from harness import launch, machine, results as results_files
 
 
 def dufu(*args: str) -> float:
-    import subprocess
-
     t0 = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "dufu", *args], capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"dufu {' '.join(args)} failed:\n{proc.stderr[-3000:]}")
+    job = subprocess.run([sys.executable, "-m", "dufu", *args], capture_output=True, text=True,
+                         env=launch.job_env(threads=None))
+    if job.returncode != 0:
+        sys.exit(f"dufu {' '.join(args)} failed:\n{job.stderr[-3000:]}")
     return time.perf_counter() - t0
 
 
 def evaluate(run: Path) -> dict:
-    import subprocess
-
     out = subprocess.run([sys.executable, "-m", "dufu", "eval", str(run), "--json"], capture_output=True, text=True,
-                         check=True).stdout
+                         check=True, env=launch.job_env(threads=None)).stdout
     return json.loads(out[out.index("{"):])
 
 
@@ -49,8 +43,9 @@ def main(argv=None) -> int:
     ap.add_argument("--teacher-run", default=None, help="an already trained default-recipe run to use as teacher")
     ap.add_argument("--kd-weight", type=float, default=0.9)
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--results-dir", default=str(RESULTS))
+    ap.add_argument("--results-dir", default=str(results_files.RESULTS))
     args = ap.parse_args(argv)
+    info = machine.describe()
     work = Path(tempfile.mkdtemp(prefix="dufu-distill-"))
     common = ["train.amp.enabled=False",  # fp32 everywhere: the comparison is of the numbers, not the dtype
               "train.checkpointer.period=0", "train.tensorboard=False", "train.generation.enabled=False"]
@@ -71,8 +66,8 @@ def main(argv=None) -> int:
                               f"distill.temperature={args.temperature}")
     rows = {name: evaluate(work / name) for name in ("teacher", "scratch", "distilled")} if args.teacher_run is None \
         else {"teacher": evaluate(teacher), **{n: evaluate(work / n) for n in ("scratch", "distilled")}}
-    date = _dt.date.today().isoformat()
-    result = {"date": date, "machine": _machine.machine_info(), "steps": args.steps, "kd_weight": args.kd_weight,
+    date = results_files.today()
+    result = {"date": date, "machine": info, "steps": args.steps, "kd_weight": args.kd_weight,
               "temperature": args.temperature, "wall_s": {k: round(v, 1) for k, v in times.items()},
               "runs": {k: {f: v[f] for f in ("model", "parameters", "eval_loss", "eval_ppl", "eval_samples")}
                        for k, v in rows.items()}}
@@ -80,7 +75,8 @@ def main(argv=None) -> int:
     gain = r["scratch"]["eval_ppl"] / r["distilled"]["eval_ppl"]
     lines = [f"# Distillation - {date}", "",
              f"Machine: {result['machine']['cpu']}, {result['machine']['logical_cpus']} CPUs; torch "
-             f"{result['machine']['torch']}. fp32. Teacher: the default recipe (400 steps). Students: `gpt_distill` "
+             f"{result['machine']['torch']}; {machine.peaks_text(info)}. fp32. Teacher: the default recipe (400 "
+             "steps). Students: `gpt_distill` "
              f"({r['scratch']['parameters']:,} parameters), {args.steps} steps each, the same seed, data order and "
              f"schedule; the distilled one with kd_weight {args.kd_weight}, temperature {args.temperature}. "
              f"Held-out perplexity: `dufu eval RUN` over the whole validation split ({r['scratch']['eval_samples']} "
@@ -93,10 +89,7 @@ def main(argv=None) -> int:
     lines += ["", f"The distilled student's perplexity is {gain:.3f}x lower than the same student trained from "
               f"scratch ({r['distilled']['eval_ppl']:.2f} vs {r['scratch']['eval_ppl']:.2f})."]
     result["perplexity_ratio_scratch_over_distilled"] = gain
-    out = Path(args.results_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / f"distill-{date}.json").write_text(json.dumps(result, indent=1))
-    (out / f"distill-{date}.md").write_text("\n".join(lines) + "\n")
+    results_files.write(results_files.stem(Path(args.results_dir), "distill", date), result, "\n".join(lines))
     print("\n".join(lines))
     return 0
 

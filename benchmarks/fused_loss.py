@@ -55,7 +55,7 @@ sys.path.insert(0, str(REPO))
 
 from dufu.layers.loss import cross_entropy_loss, fused_chunk_size, fused_linear_cross_entropy  # noqa: E402
 from dufu.models.gpt import GPTModel  # noqa: E402
-from _machine import machine_info, system_busy_seconds  # the benchmarks' shared machine description (benchmarks/_machine.py)
+from harness import launch, machine, proc, results as results_files  # noqa: E402
 
 SHAPES = {
     "default": dict(hidden=256, vocab=2048, batch=16, seq=128, layers=4, heads=4),
@@ -114,9 +114,9 @@ class Case:
 
 
 def timed(case: Case) -> dict:
-    b0, t0, c0 = system_busy_seconds(), time.perf_counter(), time.process_time()
+    b0, t0, c0 = proc.system_busy_seconds(), time.perf_counter(), time.process_time()
     loss = case.step()
-    wall, cpu, b1 = time.perf_counter() - t0, time.process_time() - c0, system_busy_seconds()
+    wall, cpu, b1 = time.perf_counter() - t0, time.process_time() - c0, proc.system_busy_seconds()
     others = max(0.0, (b1 - b0) - cpu) / (wall * os.cpu_count()) if b0 is not None and b1 is not None else None
     return {"wall": wall, "cpu": cpu, "others": others, "loss": loss}
 
@@ -166,13 +166,6 @@ def chunk_sweep(shape: dict, dtype: str, sizes: list[int], warmup: int, steps: i
 
 
 # ----------------------------------------------------------------------------- memory, in a fresh process
-def rss_kib(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
 def probe(shape_name: str, dtype: str, kind: str, variant: str, quick: bool) -> dict:
     """Bytes saved for backward and the peak resident-memory rise of one forward + backward (this process)."""
     shape = (QUICK_SHAPES if quick else SHAPES)[shape_name]
@@ -190,22 +183,23 @@ def probe(shape_name: str, dtype: str, kind: str, variant: str, quick: bool) -> 
             saved[s.data_ptr()] = s.nbytes()
         return t
 
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = rss_kib("VmRSS")
+    if not proc.reset_high_water_mark():  # VmHWM := VmRSS
+        raise SystemExit("the kernel refused to reset VmHWM (/proc/self/clear_refs): no memory probe here")
+    before = proc.status_kib("VmRSS")
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         loss = case.loss()
     loss.backward()
-    peak = rss_kib("VmHWM")
+    peak = proc.status_kib("VmHWM")
     return {"saved_bytes": sum(saved.values()), "peak_rise_bytes": (peak - before) * 1024}
 
 
 def probe_in_subprocess(shape_name: str, dtype: str, kind: str, variant: str, quick: bool) -> dict:
-    env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536", "PYTHONPATH": str(REPO)}
+    env = launch.job_env(threads=None, extra={"MALLOC_MMAP_THRESHOLD_": "65536"})
     cmd = [sys.executable, __file__, "--probe", shape_name, dtype, kind, variant] + (["--quick"] if quick else [])
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    if proc.returncode != 0:
-        raise SystemExit(f"memory probe {' '.join(cmd[2:])} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    job = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    if job.returncode != 0:
+        raise SystemExit(f"memory probe {' '.join(cmd[2:])} failed:\n{job.stderr[-3000:]}")
+    return json.loads(job.stdout.strip().splitlines()[-1])
 
 
 # ----------------------------------------------------------------------------- reporting
@@ -284,10 +278,10 @@ def main(argv=None) -> int:
           [k for k in kinds if k not in KINDS]
     if bad:
         p.error(f"unknown {bad} (shapes: {list(shapes)}, dtypes: {list(DTYPES)}, kinds: {list(KINDS)})")
-    results_dir = Path(args.results_dir) if args.results_dir else (None if args.quick else REPO / "benchmarks" / "results")
+    results_dir = results_files.results_dir(args.results_dir, args.quick)
 
     started = _dt.datetime.now()
-    info = machine_info()
+    info = machine.describe()
     load_start = os.getloadavg()
     print(f"fused_loss benchmark: {info['cpu']}, {info['torch_threads']} threads, torch {info['torch']}", flush=True)
     if load_start[0] > torch.get_num_threads() + 0.5:
@@ -330,14 +324,12 @@ def main(argv=None) -> int:
         print(v)
     if results_dir is None:
         return 0
-    results_dir.mkdir(parents=True, exist_ok=True)
-    stem = results_dir / (f"fused_loss-{started:%Y-%m-%d}" + (f"-{args.tag}" if args.tag else ""))
+    stem = results_files.stem(results_dir, "fused_loss", f"{started:%Y-%m-%d}", args.tag or "")
     cmd = "python benchmarks/fused_loss.py" + (" " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else "")
     payload = {"benchmark": "fused_loss", "date": started.isoformat(timespec="seconds"), "command": cmd,
                "shapes": {n: shapes[n] for n in names},
                "fused_chunk_rows": {n: fused_chunk_size(shapes[n]["vocab"]) for n in names},
                "machine": info, "seconds": round(wall, 1), "rows": rows, "chunk_sweep": sweeps, "verdicts": verdict}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
     shape_text = "; ".join(f"{n}: hidden {s['hidden']}, vocab {s['vocab']:,}, {s['batch']} x {s['seq']} = "
                            f"{s['batch'] * s['seq']:,} tokens, model {s['layers']} layers" for n, s in
                            ((n, shapes[n]) for n in names))
@@ -359,9 +351,10 @@ def main(argv=None) -> int:
                sweep_tab]
     md += ["", f"Machine: {info['cpu']} ({', '.join(info['cpu_features'])}), {info['logical_cpus']} logical CPUs, "
            f"{info['torch_threads']} torch threads; torch {info['torch']}, Python {info['python']}; "
-           f"{info['platform']}. Date {started.isoformat(timespec='seconds')}; the run took {wall:.0f} s. Load "
+           f"{info['platform']}; {machine.peaks_text(info)}. Date {started.isoformat(timespec='seconds')}; the run "
+           f"took {wall:.0f} s. Load "
            f"average (1/5/15 min) {info['load_average_at_start']} at start, {info['load_average_at_end']} at end."]
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    results_files.write(stem, payload, "\n".join(md))
     print(f"wrote {stem}.json and .md")
     return 0
 

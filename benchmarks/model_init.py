@@ -21,20 +21,21 @@ RSS above a baseline process that imports torch and dufu and does nothing else. 
 machine (a parallel run), every rank used to pay the ``construct`` cost for the whole model; the trainer now pays
 ``meta + materialize`` for its own shards only (see ``parallel.py --only init`` for that, per layout).
 
-Results go to ``benchmarks/results/model_init-<YYYY-MM-DD>.json`` and ``.md`` (not for ``--quick``).
+Results go to ``benchmarks/results/model_init-<YYYY-MM-DD>.json`` and ``.md`` with the machine (not for ``--quick``
+unless ``--results-dir`` is given).
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from harness import launch, machine, results as results_files
 
 SIZES = {
     "medium": dict(vocab_size=50304, hidden_size=1024, num_layers=24, num_attention_heads=16,
@@ -51,6 +52,7 @@ from dufu.models.gpt import GPTModel
 from dufu.engine import pretrained
 from dufu.models import hub
 from dufu.parallel.materialize import materialize_
+from harness.proc import status_kib
 
 way, sizes, hf_dir = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 torch.manual_seed(0)
@@ -70,7 +72,7 @@ elif way == "baseline":
 seconds = time.perf_counter() - t0
 params = 0 if model is None else sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 # VmHWM: this process's own high-water mark (ru_maxrss would carry the launching process's over exec)
-peak = next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith("VmHWM:"))
+peak = status_kib("VmHWM")
 print(json.dumps({"seconds": seconds, "peak_kib": peak, "parameters": params}))
 '''
 
@@ -78,7 +80,7 @@ WAYS = ["construct", "meta + materialize", "construct + load", "from_pretrained"
 
 
 def run_way(way: str, sizes: dict, hf_dir: Path, threads: int) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    env = launch.job_env(threads=threads)  # benchmarks/ on PYTHONPATH: the worker reads /proc through harness
     proc = subprocess.run([sys.executable, "-c", WORKER, way, json.dumps(sizes), str(hf_dir)],
                           capture_output=True, text=True, env=env, timeout=1800)
     if proc.returncode != 0:
@@ -96,6 +98,7 @@ def main(argv=None) -> int:
     size = "small" if args.quick else "medium"
     repeats = args.repeats or (1 if args.quick else 3)
     sizes = SIZES[size]
+    info = machine.describe()
 
     with tempfile.TemporaryDirectory(prefix="dufu-bench-init-") as tmp:
         import torch
@@ -126,10 +129,11 @@ def main(argv=None) -> int:
 
     fp32_mib = rows[0]["parameters"] * 4 / 2**20
     by = {r["way"]: r for r in rows}
-    lines = [f"# Model build and pretrained load - {_dt.date.today().isoformat()}", "",
+    lines = [f"# Model build and pretrained load - {results_files.today()}", "",
              f"GPT-2 {size} sizes ({rows[0]['parameters']:,} parameters, {fp32_mib:,.0f} MiB in fp32), one process, "
              f"{args.threads} threads, median of {repeats} fresh processes; peak RSS above a process that only "
-             f"imports torch and dufu ({base_kib / 1024:,.0f} MiB).", "",
+             f"imports torch and dufu ({base_kib / 1024:,.0f} MiB). Machine: {info['cpu']}, {info['logical_cpus']} "
+             f"logical CPUs, torch {info['torch']}; {machine.peaks_text(info)}.", "",
              "| way | seconds | peak RSS above baseline (MiB) | / fp32 model size |", "|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r['way']} | {r['seconds_median']:.2f} | {r['peak_above_baseline_mib']:,.0f} | "
@@ -147,14 +151,11 @@ def main(argv=None) -> int:
               "size): resident, but not memory the process allocated."]
     report = "\n".join(lines) + "\n"
     print("\n" + report)
-    if not args.quick or args.results_dir:
-        out = Path(args.results_dir or Path(__file__).parent / "results")
-        out.mkdir(parents=True, exist_ok=True)
-        stem = out / f"model_init-{_dt.date.today().isoformat()}"
-        stem.with_suffix(".json").write_text(json.dumps({"size": size, "sizes": sizes, "repeats": repeats,
-                                                         "threads": args.threads, "baseline_kib": base_kib,
-                                                         "rows": rows}, indent=2))
-        stem.with_suffix(".md").write_text(report)
+    out = results_files.results_dir(args.results_dir, args.quick)
+    if out is not None:
+        stem = results_files.write(results_files.stem(out, "model_init"), {
+            "size": size, "sizes": sizes, "repeats": repeats, "threads": args.threads, "baseline_kib": base_kib,
+            "rows": rows, "machine": info}, report)
         print(f"wrote {stem}.json and {stem}.md")
     return 0
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import copy
 import datetime as _dt
-import json
 import os
 import statistics
 import sys
@@ -57,7 +56,7 @@ from dufu.config import LazyConfig, instantiate, resolve_config_path  # noqa: E4
 from dufu.data import ResumableBatchSampler, collate  # noqa: E402
 from dufu.data.sft import build_sft_datasets  # noqa: E402
 from dufu.engine.batch import to_model_inputs  # noqa: E402
-from _machine import machine_info, system_busy_seconds  # the benchmarks' shared machine description  # noqa: E402
+from harness import machine, proc, results as results_files  # noqa: E402
 
 RECIPE = "llama_sft"
 VARIANTS = ("padded", "packed")
@@ -90,7 +89,7 @@ class Variant:
             self.samples = len(self.train_ds)
 
     def step(self) -> dict:
-        b0, t0, c0 = system_busy_seconds(), time.perf_counter(), time.process_time()
+        b0, t0, c0 = proc.system_busy_seconds(), time.perf_counter(), time.process_time()
         micro_batches = self.sampler.next_step()
         real = positions = 0
         loss = 0.0
@@ -103,8 +102,8 @@ class Variant:
             positions += len(indices) * self.seq_length
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        wall, cpu, b1 = time.perf_counter() - t0, time.process_time() - c0, system_busy_seconds()
-        others = max(0.0, (b1 - b0) - cpu) / (wall * os.cpu_count()) if b0 is not None and b1 is not None else None
+        wall, cpu, b1 = time.perf_counter() - t0, time.process_time() - c0, proc.system_busy_seconds()
+        others = proc.other_load(b0, b1, cpu, wall)
         return {"wall": wall, "cpu": cpu, "others": others, "real": real, "positions": positions, "loss": loss}
 
 
@@ -250,12 +249,12 @@ def main(argv=None) -> int:
         torch.set_num_threads(args.threads)
     seqs = [256] if args.quick else [int(s) for s in args.seq_lengths.split(",") if s.strip()]
     warmup, steps = (1, 2) if args.quick else (args.warmup, args.steps)
-    results_dir = Path(args.results_dir) if args.results_dir else (None if args.quick else REPO / "benchmarks" / "results")
+    results_dir = results_files.results_dir(args.results_dir, args.quick)
 
     cfg = LazyConfig.load(resolve_config_path(RECIPE))
     tokenizer = instantiate(cfg.tokenization.tokenizer)
     started = _dt.datetime.now()
-    info = machine_info()
+    info = machine.describe()
     load_start = os.getloadavg()
     print(f"packing benchmark: {RECIPE}, {info['cpu']}, {info['torch_threads']} threads, torch {info['torch']}",
           flush=True)
@@ -283,8 +282,7 @@ def main(argv=None) -> int:
         print("\n" + attention_table(kernels))
     if results_dir is None:
         return 0
-    results_dir.mkdir(parents=True, exist_ok=True)
-    stem = results_dir / f"packing-{started:%Y-%m-%d}"
+    stem = results_files.stem(results_dir, "packing", f"{started:%Y-%m-%d}")
     cmd = "python benchmarks/packing.py" + (" " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else "")
     m = cfg.model
     shape = (f"{m.num_layers} layers, hidden {m.hidden_size}, {m.num_attention_heads} query / "
@@ -294,7 +292,6 @@ def main(argv=None) -> int:
                "command": cmd, "model": shape, "micro_batch": micro, "warmup": warmup, "steps": steps,
                "machine": info, "seconds": round(wall, 1), "results": {str(k): v for k, v in results.items()},
                "attention": kernels}
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
     best = max(results, key=lambda s: results[s]["speedup"])
     md = [f"# packing benchmark, {started:%Y-%m-%d}", "", f"`{cmd}`", "",
           f"`{RECIPE}` ({shape}; fp32; {micro} rows per step; AdamW) on the built-in prompt/response pairs, "
@@ -324,9 +321,10 @@ def main(argv=None) -> int:
                attention_table(kernels)]
     md += ["", f"Machine: {info['cpu']} ({', '.join(info['cpu_features'])}), {info['logical_cpus']} logical CPUs, "
            f"{info['torch_threads']} torch threads; torch {info['torch']}, Python {info['python']}; "
-           f"{info['platform']}. Date {started.isoformat(timespec='seconds')}; the run took {wall:.0f} s. Load "
+           f"{info['platform']}; {machine.peaks_text(info)}. Date {started.isoformat(timespec='seconds')}; the run "
+           f"took {wall:.0f} s. Load "
            f"average (1/5/15 min) {info['load_average_at_start']} at start, {info['load_average_at_end']} at end."]
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    results_files.write(stem, payload, "\n".join(md))
     print(f"wrote {stem}.json and .md")
     return 0
 

@@ -14,10 +14,10 @@ DDP and ZeRO 1/2/3 at dp 2, ZeRO 1/2/3 at dp 4, tp2, tp2 + SP (also with full ac
 with 1F1B and with interleaved 1F1B (2 stages per rank), dp2 x tp2, dp2 x pp2, and dp2 ZeRO-3 in bf16. Every
 layout trains ``--steps`` steps (default 6) of the same global batch (4 sequences of 64 tokens, micro-batch 1,
 so the accumulation steps, which are a pipeline's micro-batches, are 4 / dp). Each run is
-``benchmarks/_worker.py`` under torchrun (``parallel.worker_job``): ``dufu train`` as a user starts it, plus
-every rank's peak resident set size (RSS) per phase (build, train, checkpoint), glibc malloc with
-``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors go back to the system, so RSS follows live tensors) and one
-thread per process.
+``dufu train`` under torchrun as a user starts it (``parallel_memory.worker_job``), with a hook recording every
+rank's peak resident set size (RSS) per phase (build, train, checkpoint; ``benchmarks/harness/memory.py``),
+glibc malloc with ``MALLOC_MMAP_THRESHOLD_=65536`` (freed tensors go back to the system, so RSS follows live
+tensors) and one thread per process.
 
 **Measured memory** = per rank, the process's peak RSS over the whole run minus the peak RSS of the same rank in
 a baseline run: the same command (layout, dtype, checkpointing) with a tiny model (1 layer, or one per pipeline
@@ -59,17 +59,20 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import _machine
-import parallel
-from parallel import (BASELINE_MODEL, CORES, MEMORY_MODEL, MEMORY_SEQ, QUICK_MEMORY_MODEL, REPO, MiB, fmt,
-                      phase_mib, read_metrics, table)
+import parallel_memory
+from harness import machine, proc, results as results_files
+from harness.launch import read_metrics
+from harness.memory import phase_mib
+from harness.results import fmt
+from parallel_memory import BASELINE_MODEL, MEMORY_MODEL, MEMORY_SEQ, QUICK_MEMORY_MODEL
+from plan_accuracy_report import compare, observations, plot, report, summary
 
-MEMORY_TOLERANCE = 0.10
-TIME_TOLERANCE = 0.25
-GLOBAL_BATCH = 4  # sequences; micro-batch 1 (parallel.worker_job): dp 4 accumulates 1, pp 2 gets 4 micro-batches
+CORES = os.cpu_count() or 1
+
+GLOBAL_BATCH = 4  # sequences; micro-batch 1 (parallel_memory.worker_job): dp 4 accumulates 1, pp 2 gets 4 micro-batches
 STEPS, WARMUP = 6, 2
 QUICK_STEPS, QUICK_WARMUP = 5, 2
-ALLOCATOR = "mmap64k"  # parallel.ALLOCATORS: MALLOC_MMAP_THRESHOLD_=65536
+ALLOCATOR = "mmap64k"  # harness.memory.ALLOCATORS: MALLOC_MMAP_THRESHOLD_=65536
 CONFIG = "gpt_debug"
 
 
@@ -174,7 +177,8 @@ def step_times(out: Path, warmup: int) -> dict:
 
 def one_run(label: str, layout: Layout, model: dict, steps: int, warmup: int, work: Path, cache: Path,
             timeout: float) -> dict:
-    run, ranks = parallel.worker_job(label, layout.nproc, GLOBAL_BATCH, model, layout.overrides(), ALLOCATOR, work,
+    run, ranks = parallel_memory.worker_job(label, layout.nproc, GLOBAL_BATCH, model, layout.overrides(), ALLOCATOR,
+                                            work,
                                      cache, timeout, steps=steps)
     rec = {"label": label, "model": model, "returncode": run.rc, "wall_s": round(run.seconds, 1),
            "load_avg_before": round(run.load_before, 2), "overrides": run_overrides(run.cmd),
@@ -205,8 +209,8 @@ def derive_row(row: dict) -> None:
 def measure(layouts: list[Layout], model: dict, steps: int, warmup: int, work: Path, cache: Path, timeout: float,
             progress) -> dict:
     """Every layout after its baseline (the same command with the tiny model; identical commands share one)."""
-    parallel.prepare_data_cache()  # tokenize once, here: no measured run pays for it
-    counts = parallel.parameter_counts(model)
+    parallel_memory.prepare_data_cache()  # tokenize once, here: no measured run pays for it
+    counts = parallel_memory.parameter_counts(model)
     baselines: dict[tuple, dict] = {}
     rows = []
     n_jobs = len({tuple(layout.overrides()) for layout in layouts}) + len(layouts)
@@ -245,7 +249,8 @@ def measure(layouts: list[Layout], model: dict, steps: int, warmup: int, work: P
                                                   zip(r["run"]["losses"][:n], ref["run"]["losses"][:n]))
     return {"config": CONFIG, "model": model, "parameters": counts["total"], "seq_length": MEMORY_SEQ,
             "global_batch_size": GLOBAL_BATCH, "micro_batch_size": 1, "steps": steps, "warmup": warmup,
-            "threads_per_process": 1, "allocator": parallel.ALLOCATORS[ALLOCATOR], "baseline_model": BASELINE_MODEL,
+            "threads_per_process": 1, "allocator": parallel_memory.ALLOCATORS[ALLOCATOR],
+            "baseline_model": BASELINE_MODEL,
             "rows": rows}
 
 
@@ -294,233 +299,6 @@ def predict(rows: list[dict], estimate) -> dict:
     return out
 
 
-def _ratio(predicted: float | None, measured: float | None) -> float | None:
-    if predicted is None or not measured or measured <= 0:
-        return None
-    return predicted / measured
-
-
-def compare(rows: list[dict], predictions: dict | None, cores: int) -> list[dict]:
-    """Per layout: measured and predicted memory (MiB) and step time (s), predicted / measured, within tolerance;
-    ``cores``: the CPU cores of the machine that measured (processes per core)."""
-    out = []
-    for r in rows:
-        p = (predictions or {}).get(r["key"], {})
-        mem = (r.get("peak_minus_baseline_mib") or {}).get("max")
-        t = r["run"].get("median_step_time_s") if "peak_minus_baseline_mib" in r else None
-        pmem = p["memory_per_gpu_bytes"] / MiB if "memory_per_gpu_bytes" in p else None
-        pt = p.get("step_time_s")
-        mr, tr = _ratio(pmem, mem), _ratio(pt, t)
-        out.append({
-            "key": r["key"], "layout": r["layout"], "nproc": r["nproc"], "processes_per_core": r["nproc"] / cores,
-            "measured_memory_mib": mem, "predicted_memory_mib": pmem, "memory_ratio": mr,
-            "memory_within": None if mr is None else abs(mr - 1) <= MEMORY_TOLERANCE,
-            "measured_step_time_s": t, "predicted_step_time_s": pt, "time_ratio": tr,
-            "time_within": None if tr is None else abs(tr - 1) <= TIME_TOLERANCE,
-            "prediction_error": p.get("error"),
-        })
-    return out
-
-
-def summary(comparison: list[dict]) -> dict:
-    """How many layouts are within tolerance, of those with both a measurement and a prediction."""
-    def count(what: str, tol: float, label: str) -> dict:
-        judged = [c for c in comparison if c[f"{what}_within"] is not None]
-        n = sum(c[f"{what}_within"] for c in judged)
-        return {"within": n, "compared": len(judged), "tolerance": tol,
-                "line": f"{label}: {n} of {len(judged)} within {100 * tol:.0f}%"}
-    return {"memory": count("memory", MEMORY_TOLERANCE, "Peak memory per rank"),
-            "time": count("time", TIME_TOLERANCE, "Step time")}
-
-
-# ----------------------------------------------------------------------------- reporting
-def _pct(ratio: float | None) -> str:
-    return "-" if ratio is None else f"{ratio:.2f} ({100 * (ratio - 1):+.0f}%)"
-
-
-def _verdict(ok: bool | None) -> str:
-    return "-" if ok is None else ("yes" if ok else "**no**")
-
-
-def _span(d: dict | None) -> str:
-    """max over ranks, the min in parentheses where ranks differ by 5 MiB or more."""
-    if d is None:
-        return "-"
-    return f"{d['max']:,.0f}" if d["max"] - d["min"] < 5 else f"{d['max']:,.0f} ({d['min']:,.0f})"
-
-
-def comparison_table(results: dict) -> list[str]:
-    rows = {r["key"]: r for r in results["measured"]["rows"]}
-    body = []
-    for c in results["comparison"]:
-        r = rows[c["key"]]
-        failed = "peak_minus_baseline_mib" not in r
-        ms = lambda s: fmt(s and 1000 * s)  # noqa: E731
-        body.append([
-            c["layout"], str(c["nproc"]), f"{c['processes_per_core']:g}",
-            "failed" if failed else _span(r["peak_minus_baseline_mib"]), fmt(c["predicted_memory_mib"]),
-            _pct(c["memory_ratio"]), _verdict(c["memory_within"]),
-            "failed" if failed else ms(c["measured_step_time_s"]), ms(c["predicted_step_time_s"]),
-            _pct(c["time_ratio"]), _verdict(c["time_within"]),
-            _span(r.get("train_minus_baseline_mib")), fmt(r["baseline"].get("peak_mib") and max(r["baseline"]["peak_mib"])),
-            fmt(r["run"]["load_avg_before"], ".1f"),
-        ])
-    return table(["layout", "procs", "procs / core", "measured MiB (peak - baseline)", "predicted MiB",
-                  "predicted / measured", "within 10%", "measured ms/step", "predicted ms/step",
-                  "predicted / measured", "within 25%", "train phase - baseline MiB", "baseline peak RSS MiB",
-                  "load avg at start"], body)
-
-
-def observations(results: dict) -> list[str]:
-    obs = list(results.get("notes", []))
-    m = results["measured"]
-    failed = [r["layout"] for r in m["rows"] if "peak_minus_baseline_mib" not in r]
-    if failed:
-        obs.append(f"Failed runs: {', '.join(failed)} (the JSON file holds the log tail).")
-    diffs = [r["max_abs_loss_diff_vs_1proc"] for r in m["rows"] if "max_abs_loss_diff_vs_1proc" in r]
-    if diffs:
-        obs.append(f"The fp32 layouts log the same losses as the 1-process run to within {max(diffs):.1e} (largest "
-                   "absolute difference): every layout trains the same model on the same samples.")
-    by_nproc: dict[int, list[float]] = {}
-    for r in m["rows"]:
-        t = r["run"].get("median_step_time_s")
-        if t and r["dtype"] == "fp32" and not r["activation_checkpoint"]:
-            by_nproc.setdefault(r["nproc"], []).append(t)
-    if by_nproc:
-        obs.append("Measured fp32 step time by process count (median over layouts): "
-                   + ", ".join(f"{n} proc {1000 * statistics.median(v):,.0f} ms" for n, v in sorted(by_nproc.items()))
-                   + f"; {results['machine']['logical_cpus']} cores: more processes than cores share them.")
-    planner = results.get("planner") or {}
-    if planner.get("available"):
-        errors = [c for c in results["comparison"] if c["prediction_error"]]
-        if errors:
-            obs.append("The planner raised for " + "; ".join(f"{c['layout']}: {c['prediction_error'][:200]}"
-                                                              for c in errors) + ".")
-        for what, label in (("memory", "memory"), ("time", "step time")):
-            ratios = [c[f"{what}_ratio"] for c in results["comparison"] if c[f"{what}_ratio"] is not None]
-            if ratios:
-                worst = max(results["comparison"], key=lambda c: abs((c[f"{what}_ratio"] or 1) - 1))
-                obs.append(f"Predicted / measured {label}: {min(ratios):.2f} to {max(ratios):.2f} "
-                           f"(median {statistics.median(ratios):.2f}); furthest off: {worst['layout']} "
-                           f"({worst[f'{what}_ratio']:.2f}).")
-    return obs
-
-
-def report(results: dict) -> str:
-    info, m = results["machine"], results["measured"]
-    lines = [f"# Planner accuracy - {results['date']}", ""]
-    # The load average counts the measured runs' own processes (up to 4 here), so it cannot say whether other
-    # work ran; the CPU time of everything else on the machine can.
-    load = (f"Load average {results['load_avg_start']:.2f} at the start, {results['load_avg_end']:.2f} at the end "
-            "(the runs' own processes included).")
-    others = results.get("other_cpu_s")
-    if others is not None:
-        share = others / (results["measure_s"] * info["logical_cpus"])
-        load += (f" Other processes used {others:,.0f} CPU seconds meanwhile, {100 * share:.0f}% of the cores"
-                 + (": the step times are slower than on an idle machine." if share > 0.05 else "."))
-    lines.append(f"Machine: {info['cpu']}, {info['logical_cpus']} cores, {info.get('memory_gib')} GiB RAM; torch "
-                 f"{info['torch']}, Python {info['python']}, {info.get('libc', '')}; dufu {info.get('dufu_commit')}. "
-                 f"Measuring took {results['measure_s']:.0f} s, {results['cpu_s']:.0f} CPU seconds in the runs. {load}")
-    lines.append("")
-    lines.append(
-        f"`{m['config']}` with {m['model']}: {m['parameters']:,} parameters; AdamW, no compile; global batch "
-        f"{m['global_batch_size']} sequences x {m['seq_length']} tokens, micro-batch {m['micro_batch_size']}; "
-        f"{m['steps']} steps, the first {m['warmup']} left out of the step time; one thread per process, "
-        f"`MALLOC_MMAP_THRESHOLD_=65536`. Measured memory: per rank, the whole run's peak RSS minus the same rank's "
-        f"peak in a baseline run (the same command with a {m['baseline_model']['num_layers']}-layer, hidden-"
-        f"{m['baseline_model']['hidden_size']} model, one layer per pipeline stage), the largest rank (the "
-        "smallest in parentheses where ranks differ by 5 MiB or more). Measured step time: median `step_time_s` of "
-        "the logged steps after warm-up. Predicted: `dufu.plan.estimate(cfg, world_size=N, hardware=\"cpu\")` on "
-        f"the run's config: `memory_per_gpu_bytes`, `step_time_s`. {info['logical_cpus']} cores are shared by the "
-        "processes of a layout (procs / core).")
-    lines.append("")
-    planner = results.get("planner") or {}
-    if planner.get("available"):
-        probe = planner.get("cpu_probe")
-        probe_text = (f" CPU figures: {probe['source']}; one-thread calibration step {probe['calibration_1_thread_s']:.4f} s, "
-                      f"{probe['op_overhead_us']} us per op, gloo {probe['gloo_bandwidth_gbs']} GB/s and "
-                      f"{probe['gloo_latency_us']} us, new memory {probe['page_fault_gbs']} GB/s." if probe else "")
-        lines += [f"Predictions made {planner.get('predicted_at', '?')} with dufu {planner.get('dufu_commit', '?')}."
-                  + probe_text,
-                  ""]
-    else:
-        lines += [f"**No predictions**: `dufu.plan` could not be imported ({planner.get('error', 'not run')}); "
-                  "measured columns only (`python benchmarks/plan_accuracy.py --only compare` adds them).", ""]
-    lines += comparison_table(results)
-    lines.append("")
-    if planner.get("available"):
-        s = results["summary"]
-        lines += [f"**{s['memory']['line']}**; **{s['time']['line']}**.", ""]
-    obs = observations(results)
-    if obs:
-        lines += ["## Observations", ""] + [f"* {o}" for o in obs] + [""]
-    return "\n".join(lines)
-
-
-def plot(results: dict, path: Path) -> bool:
-    """Predicted vs measured per layout (memory, step time), the tolerance band shaded; measured bars alone when
-    there are no predictions. False when matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-        from matplotlib.ticker import FuncFormatter
-    except ImportError:
-        return False
-    comp = results["comparison"]
-    panels = [("memory", "peak memory per rank above baseline (MiB)", 1.0, MEMORY_TOLERANCE),
-              ("step_time", "step time (ms)", 1000.0, TIME_TOLERANCE)]
-    fig, axes = plt.subplots(1, 2, figsize=(15, 7))
-    for ax, (what, label, scale, tol) in zip(axes, panels):
-        ratio_key = "memory" if what == "memory" else "time"
-        pts = [(c["key"], c[f"measured_{what}" + ("_mib" if what == "memory" else "_s")],
-                c[f"predicted_{what}" + ("_mib" if what == "memory" else "_s")], c[f"{ratio_key}_within"])
-               for c in comp]
-        have = [(k, m * scale, p * scale, ok) for k, m, p, ok in pts if m is not None and p is not None]
-        if have:
-            lo = min(min(m, p) for _, m, p, _ in have) * 0.8
-            hi = max(max(m, p) for _, m, p, _ in have) * 1.2
-            xs = [lo, hi]
-            ax.plot(xs, xs, color="black", lw=1)
-            ax.fill_between(xs, [x * (1 - tol) for x in xs], [x * (1 + tol) for x in xs], color="tab:green",
-                            alpha=0.15, label=f"within {100 * tol:.0f}%")
-            spots: dict[tuple, list] = {}  # layouts within ~2% of each other in both axes share one label
-            for k, m, p, ok in have:
-                spots.setdefault((round(50 * math.log(m)), round(50 * math.log(p)), ok), []).append((k, m, p))
-            for i, ((_, _, ok), group) in enumerate(sorted(spots.items(), key=lambda s: s[1][0][1])):
-                m, p = group[0][1], group[0][2]
-                ax.scatter([m], [p], color="tab:green" if ok else "tab:red", zorder=3)
-                # neighbours along x alternate above and below their point, so labels overlap less
-                ax.annotate(", ".join(k for k, _, _ in group), (m, p), textcoords="offset points",
-                            xytext=(5, 4 if i % 2 == 0 else -11), fontsize=7)
-            ax.set_xscale("log")
-            ax.set_yscale("log")
-            for axis in (ax.xaxis, ax.yaxis):  # plain numbers on the log axes, minor ticks at 2, 3, 5 x 10^k
-                axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}"))
-                axis.set_minor_formatter(FuncFormatter(lambda v, _: f"{v:,.0f}" if f"{v:.0e}"[0] in "1235" else ""))
-            ax.tick_params(axis="both", which="minor", labelsize=7)
-            ax.set_xlabel(f"measured {label}")
-            ax.set_ylabel(f"predicted {label}")
-            ax.legend(loc="upper left")
-            missing = [k for k, m, p, _ in pts if m is not None and p is None]
-            if missing:
-                ax.set_title("no prediction: " + ", ".join(missing), fontsize=8)
-        else:
-            meas = [(k, m * scale) for k, m, _, _ in pts if m is not None]
-            ax.barh([k for k, _ in meas], [m for _, m in meas], color="tab:blue")
-            ax.invert_yaxis()
-            ax.set_xlabel(f"measured {label}")
-            ax.set_title("no predictions", fontsize=9)
-    info = results["machine"]
-    fig.suptitle(f"dufu plan vs measured, {results['measured']['parameters'] / 1e6:.1f}M-parameter GPT, "
-                 f"{info['logical_cpus']} CPU cores, {results['date']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return True
-
-
 # ----------------------------------------------------------------------------- main
 def add_predictions(results: dict) -> None:
     estimate, error = load_estimate()
@@ -529,7 +307,7 @@ def add_predictions(results: dict) -> None:
         results["planner"] = {"available": False, "error": error}
         results["predictions"] = None
     else:
-        results["planner"] = {"available": True, "dufu_commit": parallel.machine_info()["dufu_commit"],
+        results["planner"] = {"available": True, "dufu_commit": machine.dufu_commit(),
                               "predicted_at": _dt.datetime.now().isoformat(timespec="minutes"),
                               "cpu_probe": cpu_probe()}
         results["predictions"] = predict(results["measured"]["rows"], estimate)
@@ -563,22 +341,12 @@ def newest_results(out_dir: Path) -> Path | None:
 
 
 def write(results: dict, stem: Path) -> None:
-    stem.parent.mkdir(parents=True, exist_ok=True)
-    stem.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
-    stem.with_suffix(".md").write_text(report(results))
+    results_files.write(stem, results, report(results))
     drew = plot(results, stem.with_suffix(".png"))
     print(f"wrote {stem}.json, {stem}.md" + (f" and {stem}.png" if drew else " (no plot: matplotlib is missing)"))
 
 
-def machine() -> dict:
-    """_machine's description plus what parallel.py records (RAM, libc, the dufu commit)."""
-    extra = parallel.machine_info()
-    return _machine.machine_info(**{k: extra[k] for k in ("memory_gib", "libc", "dufu_commit")})
-
-
 def run_measurements(args, layouts: list[Layout]) -> dict:
-    import resource
-
     steps = args.steps or (QUICK_STEPS if args.quick else STEPS)
     warmup = args.warmup if args.warmup is not None else (QUICK_WARMUP if args.quick else WARMUP)
     if warmup >= steps:
@@ -596,8 +364,8 @@ def run_measurements(args, layouts: list[Layout]) -> dict:
     if load0 > CORES:
         print(f"warning: load average {load0:.1f} on {CORES} cores: other work is running, step times will be "
               "noisy.", flush=True)
-    t0, busy0 = time.perf_counter(), _machine.system_busy_seconds()
-    results = {"date": _dt.date.today().isoformat(), "quick": args.quick, "machine": machine(),
+    t0, busy0 = time.perf_counter(), proc.system_busy_seconds()
+    results = {"date": results_files.today(), "quick": args.quick, "machine": machine.describe(),
                "cores": CORES, "load_avg_start": round(load0, 2)}
     try:
         model = QUICK_MEMORY_MODEL if args.quick else MEMORY_MODEL
@@ -607,9 +375,8 @@ def run_measurements(args, layouts: list[Layout]) -> dict:
         if tmp is not None:
             tmp.cleanup()
     results["measure_s"] = time.perf_counter() - t0
-    kids, me = resource.getrusage(resource.RUSAGE_CHILDREN), resource.getrusage(resource.RUSAGE_SELF)
-    results["cpu_s"] = kids.ru_utime + kids.ru_stime + me.ru_utime + me.ru_stime
-    busy1 = _machine.system_busy_seconds()
+    results["cpu_s"] = proc.own_cpu_seconds()
+    busy1 = proc.system_busy_seconds()
     if busy0 is not None and busy1 is not None:  # every process's CPU time minus this script's and its runs'
         results["other_cpu_s"] = max(0.0, busy1 - busy0 - results["cpu_s"])
     results["load_avg_end"] = round(os.getloadavg()[0], 2)
@@ -638,7 +405,7 @@ def main(argv=None) -> int:
     unknown = [k for k in keys if k not in BY_KEY]
     if unknown:
         ap.error(f"unknown layout(s) {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
-    out_dir = Path(args.results_dir or REPO / "benchmarks" / "results")
+    out_dir = Path(args.results_dir) if args.results_dir else results_files.RESULTS
     save = not args.quick or args.results_dir is not None
 
     results, stem = None, None
@@ -652,7 +419,7 @@ def main(argv=None) -> int:
                   flush=True)
     if results is None:
         results = run_measurements(args, [BY_KEY[k] for k in keys])
-        stem = out_dir / f"plan-accuracy-{results['date']}"
+        stem = results_files.stem(out_dir, "plan-accuracy", results["date"])
     results["notes"] = [*results.get("notes", []), *args.note]
     if args.only == "measure":
         results["planner"], results["predictions"] = {"available": False, "error": "not run (--only measure)"}, None

@@ -10,7 +10,7 @@ importance, before and after a short fine-tune.
 2,048, sequence 128, 400 steps, the machine's fast dtype) trained in this process by dufu's ``Trainer`` into a
 temporary ``output_dir``; generation and TensorBoard off, nothing else changed.
 
-**Pruning.** For each importance kind and fraction, ``dufu.engine.prune_cli.prune_run`` (what ``dufu prune RUN
+**Pruning.** For each importance kind and fraction, ``dufu.cli.prune.prune_run`` (what ``dufu prune RUN
 OUT --heads-keep F --ffn-keep F --importance K`` runs) prunes the run's last checkpoint and writes a model
 directory; the pruned model is read back from it with ``dufu.engine.pretrained.pretrained_model`` (so every row
 also checks the directory loads). Heads and FFN neurons are kept at the same fraction: 4/3/2/1 heads, 1024/768/
@@ -40,7 +40,6 @@ temporary directory.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import math
 import os
@@ -55,11 +54,12 @@ sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 
-from _machine import machine_info  # noqa: E402  (benchmarks/_machine.py)
+from harness import results as results_files  # noqa: E402
+from harness.machine import describe, peaks_text  # noqa: E402
 
 FRACTIONS = (1.0, 0.75, 0.5, 0.25)
 KINDS = ("magnitude", "first-order")
-IMPORTANCE_SAMPLES = (4, 8)  # batches x samples: prune_cli's defaults
+IMPORTANCE_SAMPLES = (4, 8)  # batches x samples: dufu prune's defaults
 EVAL_BATCH = 16
 SPEED_BATCH = 16
 
@@ -153,15 +153,17 @@ def speed_only(rounds: int, results_dir) -> None:
     ids = torch.randint(0, cfg.model.vocab_size, (SPEED_BATCH, cfg.dataloader.train.seq_length),
                         generator=torch.Generator().manual_seed(0))
     load_start = os.getloadavg()[0]
+    info = describe()
     speeds = forward_speeds(models, ids, rounds)
-    machine = machine_info(load_avg_start=load_start, load_avg_end=os.getloadavg()[0])
-    date = _dt.date.today().isoformat()
+    machine = {**info, "load_avg_start": load_start, "load_avg_end": os.getloadavg()[0]}
+    date = results_files.today()
     rows = [{"fraction": f, "params": count_parameters(m), "heads": m.num_attention_heads,
              "ffn": m.blocks["0"].mlp.fc1.out_features, "tokens_per_s": speeds[f]} for f, m in models.items()]
     first = rows[0]["tokens_per_s"]
     lines = [f"# Forward throughput of the pruned default GPT - {date}", "",
-             f"Machine: {machine['cpu']}, {machine['torch_threads']} threads, torch {machine['torch']}; load average "
-             f"{machine['load_avg_start']:.2f} at the start, {machine['load_avg_end']:.2f} at the end. Command: "
+             f"Machine: {machine['cpu']}, {machine['torch_threads']} threads, torch {machine['torch']}; "
+             f"{peaks_text(machine)}; load average {machine['load_avg_start']:.2f} at the start, "
+             f"{machine['load_avg_end']:.2f} at the end. Command: "
              f"`python benchmarks/prune.py --speed-only --rounds {rounds}`. One forward pass of "
              f"{SPEED_BATCH} x {ids.shape[1]} tokens, logits only, median of {rounds} x 5 passes, fractions "
              "interleaved.", "",
@@ -173,11 +175,8 @@ def speed_only(rounds: int, results_dir) -> None:
                      f"{s['bf16']:,.0f} | {s['fp32'] / first['fp32']:.2f}x | {s['bf16'] / first['bf16']:.2f}x |")
     log("\n".join(lines))
     if results_dir is not None:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        stem = results_dir / f"prune-{date}-speed"
-        (results_dir / f"{stem.name}.json").write_text(json.dumps({"date": date, "machine": machine, "rows": rows},
-                                                                  indent=1))
-        (results_dir / f"{stem.name}.md").write_text("\n".join(lines) + "\n")
+        stem = results_files.write(results_files.stem(results_dir, "prune", date, "speed"),
+                                   {"date": date, "machine": machine, "rows": rows}, "\n".join(lines))
         log(f"wrote {stem}.md and .json")
 
 
@@ -222,17 +221,18 @@ def main() -> None:
     ap.add_argument("--speed-only", action="store_true", help="only the forward throughput of the pruned shapes")
     args = ap.parse_args()
     if args.speed_only:
-        return speed_only(args.rounds or 7, args.results_dir or REPO / "benchmarks" / "results")
+        return speed_only(args.rounds or 7, args.results_dir or results_files.RESULTS)
     args.rounds = args.rounds or 3
     if args.quick:
         args.steps, args.finetune_steps, args.rounds = 20, 5, 1
-    results_dir = args.results_dir or (None if args.quick else REPO / "benchmarks" / "results")
+    results_dir = results_files.results_dir(args.results_dir, args.quick)
 
     from dufu.compress.prune import count_parameters
     from dufu.engine.pretrained import pretrained_model
-    from dufu.engine.prune_cli import prune_run
+    from dufu.cli.prune import prune_run
 
     load_start = os.getloadavg()[0]
+    info = describe()
     with tempfile.TemporaryDirectory(prefix="dufu-prune-bench-") as tmp:
         work = Path(tmp)
         os.environ["DUFU_CACHE_DIR"] = str(work / "cache")
@@ -275,8 +275,8 @@ def main() -> None:
             r["dir"] = str(r["dir"].name)
     load_end = os.getloadavg()[0]
 
-    date = _dt.date.today().isoformat()
-    machine = machine_info(load_avg_start=load_start, load_avg_end=load_end)
+    date = results_files.today()
+    machine = {**info, "load_avg_start": load_start, "load_avg_end": load_end}
     base = next(r for r in rows if r["fraction"] == 1.0)
     speed1 = base["tokens_per_s"]
     data = {"date": date, "machine": machine, "quick": args.quick, "train_steps": args.steps,
@@ -285,8 +285,9 @@ def main() -> None:
             "importance_samples": held_out, "eval_samples": len(valid) - held_out, "rows": rows}
     lines = [
         f"# Structured pruning of the default GPT - {date}", "",
-        f"Machine: {machine['cpu']}, {machine['torch_threads']} threads, torch {machine['torch']}; load average "
-        f"{load_start:.2f} at the start, {load_end:.2f} at the end. Command: `python benchmarks/prune.py"
+        f"Machine: {machine['cpu']}, {machine['torch_threads']} threads, torch {machine['torch']}; "
+        f"{peaks_text(machine)}; load average {load_start:.2f} at the start, {load_end:.2f} at the end. Command: "
+        "`python benchmarks/prune.py"
         f"{' --quick' if args.quick else ''}`.", "",
         f"Base model: the default recipe (GPT, 4 layers, hidden 256, 4 heads of 64, FFN 1,024, vocabulary 2,048) "
         f"trained {args.steps} steps by the Trainer ({train_s:.0f} s). Each row: `prune_run` (= `dufu prune`) with "
@@ -307,11 +308,8 @@ def main() -> None:
                      f"{s['fp32'] / speed1['fp32']:.2f}x | {s['bf16'] / speed1['bf16']:.2f}x |")
     log("\n".join(lines))
     if results_dir is not None:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        stem = results_dir / f"prune-{date}"
-        stem.with_suffix(".json").write_text(json.dumps(data, indent=1))
-        stem.with_suffix(".md").write_text("\n".join(lines) + f"\n\n![perplexity against kept fraction]"
-                                           f"(prune-{date}.png)\n")
+        stem = results_files.write(results_files.stem(results_dir, "prune", date), data, "\n".join(lines) + (
+            f"\n\n![perplexity against kept fraction](prune-{date}.png)"))
         plot(rows, stem.with_suffix(".png"), f"default GPT, {args.steps} steps; fine-tune {args.finetune_steps} steps")
         log(f"wrote {stem}.md, .json and .png")
 

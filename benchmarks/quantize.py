@@ -15,7 +15,7 @@ script runs):
   Quality: accuracy on all validation sentences. Speed: forward passes of 32 sentences x 48 tokens, samples/s
   (median of `--rounds`).
 
-Each trained model is loaded once in fp32 (`dufu.engine.quantize_cli.load_source`), then for each scheme a fresh
+Each trained model is loaded once in fp32 (`dufu.cli.quantize.load_source`), then for each scheme a fresh
 copy is quantized (`dufu.compress.quantize.quantize_model`), written (`save_quantized`), and read back
 (`load_quantized`); quality and speed are measured on the read-back model, and its logits are checked equal to
 the in-memory quantized model's. Speeds are timed in interleaved rounds (fp32, int8-weight, int8-dynamic,
@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import datetime as _dt
 import json
 import math
 import os
@@ -49,7 +48,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import _machine  # noqa: E402  (benchmarks/_machine.py)
+from harness import launch, machine, proc, results as results_files  # noqa: E402
 
 SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight")
 GEN_PROMPT, GEN_TOKENS = "The ", 64
@@ -136,7 +135,7 @@ def measure(name: str, run: Path, work: Path, rounds: int, log) -> dict:
 
     from dufu.compress.quantize import model_bytes, quantize_model, tensor_bytes
     from dufu.compress.quantize_io import load_quantized, save_quantized
-    from dufu.engine.quantize_cli import load_source
+    from dufu.cli.quantize import load_source
     from dufu.models.hub import save_pretrained
 
     lm = name == "gpt"
@@ -225,12 +224,12 @@ def main() -> int:
 
     torch.manual_seed(0)
     log = print
+    info = machine.describe()
     started = time.time()
-    busy0 = _machine.system_busy_seconds()
+    busy0 = proc.system_busy_seconds()
     with tempfile.TemporaryDirectory(prefix="dufu-quantize-bench-") as tmp:
         work = Path(tmp)
-        env = dict(os.environ, DUFU_CACHE_DIR=str(work / "cache"),
-                   PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+        env = launch.job_env(work / "cache", threads=None)
         os.environ["DUFU_CACHE_DIR"] = env["DUFU_CACHE_DIR"]  # this process rebuilds the same validation split
         quick_gpt = ["train.train_iter=20", "train.evaluation.eval_period=10", "train.checkpointer.period=20"]
         quick_bert = ["train.train_iter=4", "train.evaluation.eval_period=2", "train.scheduler.warmup_iter=1"]
@@ -238,15 +237,12 @@ def main() -> int:
                       env, log)
         bert_s = train("bert_classify", work / "bert", quick_bert if args.quick else [], env, log)
         results = [measure("gpt", work / "gpt", work, rounds, log), measure("bert", work / "bert", work, rounds, log)]
-    busy = _machine.system_busy_seconds()
+    busy = proc.system_busy_seconds()
     wall = time.time() - started
-    import resource
-
-    own = sum(getattr(resource.getrusage(who), f) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)
-              for f in ("ru_utime", "ru_stime"))  # this script and its training runs
+    own = proc.own_cpu_seconds()  # this script and its training runs
     capacity = wall * (os.cpu_count() or 1)
     busy_share = None if busy0 is None else min(1.0, (busy - busy0) / capacity)
-    others = None if busy0 is None else max(0.0, (busy - busy0 - own) / capacity)
+    others = proc.other_load(busy0, busy, own, wall)
     gpt = results[0]["rows"]
     int8 = next(r for r in gpt if r["variant"] == "int8-weight")
     ppl_ok = int8["quality"] <= 1.01 * gpt[0]["quality"]
@@ -256,19 +252,16 @@ def main() -> int:
         "model_memory_le_30pct": int8["bytes_memory"] <= 0.30 * gpt[0]["bytes_memory"],
         "model_disk_le_30pct": int8["bytes_disk"] <= 0.30 * gpt[0]["bytes_disk"],
     }
-    report = {"date": _dt.date.today().isoformat(), "command": " ".join(["python", *sys.argv]),
-              "machine": _machine.machine_info(), "quick": args.quick, "rounds": rounds,
+    report = {"date": results_files.today(), "command": " ".join(["python", *sys.argv]),
+              "machine": info, "quick": args.quick, "rounds": rounds,
               "train_seconds": {"gpt": gpt_s, "bert": bert_s}, "wall_seconds": wall,
               "machine_busy_share": busy_share, "other_processes_share": others, "results": results, "target_int8_weight": verdict}
     md = write_markdown(report)
     if args.quick and args.results_dir is None:
         print("\n".join(md))
         return 0
-    out_dir = Path(args.results_dir) if args.results_dir else REPO / "benchmarks" / "results"
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"quantize-{report['date']}"
-    stem.with_suffix(".json").write_text(json.dumps(report, indent=2))
-    stem.with_suffix(".md").write_text("\n".join(md) + "\n")
+    out_dir = Path(args.results_dir) if args.results_dir else results_files.RESULTS
+    stem = results_files.write(results_files.stem(out_dir, "quantize", report["date"]), report, "\n".join(md))
     print("\n".join(md))
     print(f"written: {stem}.md, {stem}.json")
     return 0
@@ -287,7 +280,7 @@ def write_markdown(report: dict) -> list[str]:
         f"# quantize benchmark, {report['date']}", "",
         f"`{report['command']}`", "",
         f"CPU: {m['cpu']} ({m['logical_cpus']} logical CPUs, torch {m['torch']}, {m['torch_threads']} threads); "
-        f"features {', '.join(m['cpu_features'])}. Whole run {report['wall_seconds']:.0f} s"
+        f"features {', '.join(m['cpu_features'])}; {machine.peaks_text(m)}. Whole run {report['wall_seconds']:.0f} s"
         + (f"; the CPUs were busy {100 * busy:.0f}% of the run, other processes' work taking {100 * others:.0f}% of "
            "their capacity (speeds are timed interleaved, but noisy)" if busy is not None else "") + ".", "",
         "torchao post-training quantization of two models trained in this run (see the docstring of "

@@ -51,7 +51,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import _machine  # the benchmarks' shared machine description (benchmarks/_machine.py)
+from harness import launch, machine, proc, results as results_files
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))  # this checkout's dufu, whatever else is installed
@@ -74,24 +74,9 @@ SETTINGS = {"unbounded": None, "1/3": 1 / 3, "1/2": 1 / 2}
 
 # ============================================================================= worker
 def status() -> dict:
-    """RSS counters of this process in KiB (``/proc/self/status``)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key = line.split(":", 1)[0]
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                out[key] = int(line.split()[1])
-    return out
-
-
-def smaps_rollup() -> dict:
-    out = {}
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            parts = line.split()
-            if len(parts) == 3 and parts[2] == "kB":
-                out[parts[0].rstrip(":")] = int(parts[1])
-    return out
+    """The RSS counters of this process in KiB (``/proc/self/status``)."""
+    counters = proc.status()
+    return {k: counters[k] for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem") if k in counters}
 
 
 def worker(directory: str, budget: int, prompt_len: int, tokens: int, out_path: str) -> int:
@@ -127,7 +112,7 @@ def worker(directory: str, budget: int, prompt_len: int, tokens: int, out_path: 
     record = {
         "budget": budget, "load_s": load_s, "generate_s": gen_s, "tokens_per_s": tokens / gen_s,
         "tokens": out[0, prompt_len:].tolist(), "baseline_kib": baseline, "after_load_kib": after_load,
-        "peak_generation_kib": peaks, "end_kib": status(), "smaps_rollup_end_kib": smaps_rollup(),
+        "peak_generation_kib": peaks, "end_kib": status(), "smaps_rollup_end_kib": proc.smaps_rollup(),
         "threads": torch.get_num_threads(),
         "plan": None if plan is None else {
             "resident_blocks": list(plan.resident_blocks), "streamed_blocks": list(plan.streamed_blocks),
@@ -164,12 +149,12 @@ def runtime_spec(spec: tuple) -> tuple:
 
 
 def run_worker(directory: Path, budget: int, args, out: Path) -> dict:
-    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": str(args.threads)}
+    env = launch.job_env(threads=args.threads)
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", str(directory), str(budget),
            str(args.prompt_len), str(args.tokens), str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        return {"budget": budget, "error": (proc.stderr or proc.stdout)[-2000:]}
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if job.returncode != 0:
+        return {"budget": budget, "error": (job.stderr or job.stdout)[-2000:]}
     return json.loads(out.read_text())
 
 
@@ -221,14 +206,10 @@ def main(argv=None) -> int:
     bad = [f for f in families if f not in models]
     if bad:
         p.error(f"--families {bad}: use gpt, llama")
-    results_dir = Path(args.results_dir) if args.results_dir else (
-        None if args.quick else REPO / "benchmarks" / "results")
+    results_dir = results_files.results_dir(args.results_dir, args.quick)
 
     started = _dt.datetime.now()
-    info = _machine.machine_info()
-    info["threads_per_worker"] = args.threads
-    with open("/proc/meminfo") as f:
-        info["memory_total_kib"] = next(int(line.split()[1]) for line in f if line.startswith("MemTotal"))
+    info = machine.describe(threads_per_worker=args.threads, memory_total_kib=proc.meminfo_kib("MemTotal"))
     load_start = os.getloadavg()
     print(f"streaming benchmark: {info['cpu']}, {args.threads} thread(s) per worker; load average "
           f"{load_start[0]:.1f}", flush=True)
@@ -275,13 +256,11 @@ def main(argv=None) -> int:
     md = report_md(args, argv, rows, info, started, wall)
     print("\n" + md)
     if results_dir is not None:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        stem = results_dir / f"streaming-{started:%Y-%m-%d}"
+        stem = results_files.stem(results_dir, "streaming", f"{started:%Y-%m-%d}")
         payload = {"benchmark": "streaming", "date": started.isoformat(timespec="seconds"),
                    "command": "python benchmarks/streaming.py " + " ".join(argv), "machine": info,
                    "prompt_len": args.prompt_len, "tokens": args.tokens, "runs": rows, "wall_seconds": wall}
-        stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
-        stem.with_suffix(".md").write_text(md)
+        results_files.write(stem, payload, md)
         print(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
     return 0
 
@@ -290,8 +269,8 @@ def report_md(args, argv, rows, info, started, wall) -> str:
     out = [f"# streaming benchmark, {started:%Y-%m-%d}", "",
            "`python benchmarks/streaming.py" + (" " + " ".join(argv) if argv else "") + "`", "",
            f"{info['cpu']}; {info['logical_cpus']} logical CPUs, {args.threads} thread(s) per worker; torch "
-           f"{info['torch']}; {info['memory_total_kib'] / 1024 ** 2:.1f} GiB RAM; load average "
-           f"{info['load_average_at_start'][0]:.1f} at start, {info['load_average_at_end'][0]:.1f} at end; "
+           f"{info['torch']}; {info['memory_total_kib'] / 1024 ** 2:.1f} GiB RAM; {machine.peaks_text(info)}; load "
+           f"average {info['load_average_at_start'][0]:.1f} at start, {info['load_average_at_end'][0]:.1f} at end; "
            f"{wall:.0f} s in all.", "",
            f"Greedy generation of {args.tokens} tokens from a {args.prompt_len}-token prompt, batch 1, fp32; one "
            "fresh process per row. Budgets: a third and a half of the model's parameter bytes (1 MiB = 2^20 bytes). "

@@ -11,13 +11,14 @@ The three implementations train the same architecture (GPT-2 small: 12 layers, h
 
 * ``dufu``  -- the packaged ``gpt2_small`` config, overridden to the benchmark batch (dropout 0, no evaluation,
   no generation, no TensorBoard, output in a temporary directory), turned into a real
-  ``dufu.engine.trainer.Trainer``; one step is ``trainer.train_step(trainer.sampler.next_step())``, exactly what
-  ``Trainer.train`` calls. The model is ``instantiate(cfg.model)`` and the optimizer ``cfg.optim`` with
-  ``params=get_default_optimizer_params(model)`` (fused AdamW), both built by the trainer itself. The
+  ``dufu.engine.trainer.Trainer``; one step is ``trainer.train_step()`` (it draws its micro-batches from the
+  trainer's sampler), exactly what ``Trainer.train`` calls. The model is ``instantiate(cfg.model)`` and the
+  optimizer ``cfg.optim`` with ``params=get_default_optimizer_params(model)`` (fused AdamW), both built by the
+  trainer itself. The
   config's BPE tokenizer is replaced by the byte tokenizer only to skip training a tokenizer: the model keeps
   its 50,304-token vocabulary, so the step does the same work.
-* ``plain`` -- a single-file GPT-2 written below (fused ``c_attn``, SDPA causal attention, tanh GELU, tied
-  head) and a hand-written loop: autocast forward, fp32 cross entropy, backward, ``clip_grad_norm_(1.0)``,
+* ``plain`` -- a single-file GPT-2 (benchmarks/train_step_models.py: fused ``c_attn``, SDPA causal attention, tanh
+  GELU, tied head) and a hand-written loop: autocast forward, fp32 cross entropy, backward, ``clip_grad_norm_(1.0)``,
   ``AdamW(fused=True)``, ``zero_grad``.
 * ``hf``    -- transformers' ``GPT2LMHeadModel`` from a ``GPT2Config`` (all dropouts 0,
   ``attn_implementation="sdpa"``, ``use_cache=False`` because training needs no KV cache) in the same loop.
@@ -38,11 +39,12 @@ the best value in ``DUFU_CACHE_DIR``, which is a temporary directory here).
 
 ``--profile``: after the timed steps, ``--profile-steps`` more steps of each implementation run under
 torch.profiler (CPU activities, shapes not recorded), and the self CPU time of every op is split into matmul,
-attention, loss, norms/elementwise, optimizer, casts, communication and other (rules in ``PROFILE_RULES``, tested
-in tests/test_benchmarks_profile.py): one table per dtype, implementations side by side, in ms/step and share.
+attention, loss, norms/elementwise, optimizer, casts, communication and other (rules in ``PROFILE_RULES`` of
+benchmarks/harness/profile.py, tested in tests/test_benchmarks_profile.py): one table per dtype, implementations
+side by side, in ms/step and share.
 
-Results go to ``benchmarks/results/train_step-<YYYY-MM-DD>.json`` and ``.md`` (not for ``--quick`` unless
-``--results-dir`` is given).
+Results go to ``benchmarks/results/train_step-<YYYY-MM-DD>.json`` and ``.md`` with the machine and its measured
+matmul peaks (not for ``--quick`` unless ``--results-dir`` is given).
 """
 
 from __future__ import annotations
@@ -52,7 +54,6 @@ import contextlib
 import copy
 import datetime as _dt
 import gc
-import json
 import os
 import statistics
 import sys
@@ -66,7 +67,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
@@ -76,7 +76,10 @@ from dufu.data.tokenizer import BYTE_VOCAB_SIZE
 from dufu.engine.flops import count_matmul_params, device_peak_flops, flops_per_token
 from dufu.engine.batch import to_model_inputs
 from dufu.engine.trainer import Trainer
-import _machine  # the benchmarks' shared machine description (benchmarks/_machine.py)
+from harness import machine, proc, results
+from harness.profile import (OPTIMIZER_REGION, PROFILE_CATEGORIES, PROFILE_RULES, STEP_REGION,  # noqa: F401
+                             categorize, profile_steps, profile_table, step_breakdown, top_other_lines)
+from train_step_models import PlainGPT, adamw_groups, build_hf, copy_dufu_weights, lm_loss  # noqa: F401
 
 IMPLS = ("dufu", "plain", "hf")
 DTYPES = {"fp32": None, "bf16": torch.bfloat16}
@@ -84,104 +87,6 @@ DTYPES = {"fp32": None, "bf16": torch.bfloat16}
 # GPT-2 small, and the tiny model of --quick.
 FULL_MODEL = dict(num_layers=12, hidden_size=768, num_attention_heads=12, vocab_size=50304, max_position_embeddings=1024)
 QUICK_MODEL = dict(num_layers=2, hidden_size=128, num_attention_heads=4, vocab_size=50304, max_position_embeddings=128)
-
-
-# ----------------------------------------------------------------------------- (b) the plain PyTorch GPT-2
-class PlainAttention(nn.Module):
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.c_attn = nn.Linear(hidden, 3 * hidden)  # q, k and v in one matmul
-        self.c_proj = nn.Linear(hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)  # 3 x (B, T, C)
-        q = q.view(B, T, self.heads, C // self.heads).transpose(1, 2)  # (B, nh, T, hs)
-        k = k.view(B, T, self.heads, C // self.heads).transpose(1, 2)
-        v = v.view(B, T, self.heads, C // self.heads).transpose(1, 2)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, nh, T, hs)
-        return self.c_proj(y.transpose(1, 2).reshape(B, T, C))
-
-
-class PlainMLP(nn.Module):
-    def __init__(self, hidden: int):
-        super().__init__()
-        self.c_fc = nn.Linear(hidden, 4 * hidden)
-        self.c_proj = nn.Linear(4 * hidden, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
-
-
-class PlainBlock(nn.Module):
-    def __init__(self, hidden: int, heads: int):
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(hidden)
-        self.attn = PlainAttention(hidden, heads)
-        self.ln_2 = nn.LayerNorm(hidden)
-        self.mlp = PlainMLP(hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class PlainGPT(nn.Module):
-    def __init__(self, num_layers, hidden_size, num_attention_heads, vocab_size, max_position_embeddings):
-        super().__init__()
-        self.wte = nn.Embedding(vocab_size, hidden_size)
-        self.wpe = nn.Embedding(max_position_embeddings, hidden_size)
-        self.h = nn.ModuleList(PlainBlock(hidden_size, num_attention_heads) for _ in range(num_layers))
-        self.ln_f = nn.LayerNorm(hidden_size)
-        self.lm_head = nn.Linear(hidden_size, vocab_size, bias=False)
-        self.lm_head.weight = self.wte.weight  # tied
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        T = idx.shape[1]
-        x = self.wte(idx) + self.wpe(torch.arange(T, device=idx.device))  # (B, T, C)
-        for block in self.h:
-            x = block(x)
-        logits = self.lm_head(self.ln_f(x))  # (B, T, V)
-        return lm_loss(logits, targets)
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    # fp32 cross entropy for every implementation, as dufu computes it, so bf16 runs do the same work.
-    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
-def adamw_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Decay matrices and embeddings, not biases or norm weights (the usual GPT-2 split)."""
-    params = {id(p): p for p in model.parameters()}.values()
-    return [
-        {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
-        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
-    ]
-
-
-# ----------------------------------------------------------------------------- copying dufu's weights
-@torch.no_grad()
-def copy_dufu_weights(dufu_model: nn.Module, dst: nn.Module, kind: str) -> None:
-    """Load the dufu model's weights into the plain (``nn.Linear``) or hf (``Conv1D``, transposed) model."""
-    body = dst.transformer if kind == "hf" else dst
-    t = (lambda w: w.t()) if kind == "hf" else (lambda w: w)  # Conv1D stores (in, out)
-    body.wte.weight.copy_(dufu_model.wte.weight)
-    body.wpe.weight.copy_(dufu_model.wpe.weight)
-    body.ln_f.load_state_dict(dufu_model.ln_f.state_dict())
-    for i, blk in enumerate(body.h):
-        src = dufu_model.blocks[str(i)]
-        a = src.attn
-        blk.ln_1.load_state_dict(src.ln1.state_dict())
-        blk.ln_2.load_state_dict(src.ln2.state_dict())
-        blk.attn.c_attn.weight.copy_(t(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)))
-        blk.attn.c_attn.bias.copy_(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0))
-        blk.attn.c_proj.weight.copy_(t(a.out_proj.weight))
-        blk.attn.c_proj.bias.copy_(a.out_proj.bias)
-        blk.mlp.c_fc.weight.copy_(t(src.mlp.fc1.weight))
-        blk.mlp.c_fc.bias.copy_(src.mlp.fc1.bias)
-        blk.mlp.c_proj.weight.copy_(t(src.mlp.fc2.weight))
-        blk.mlp.c_proj.bias.copy_(src.mlp.fc2.bias)
 
 
 # ----------------------------------------------------------------------------- the three runners
@@ -211,17 +116,18 @@ class DufuRunner:
         LazyConfig.apply_overrides(cfg, overrides)
         self.overrides = overrides
         self.trainer = Trainer(cfg, log=lambda *a, **k: None)
-        self.model = self.trainer.model
-        self.device = self.trainer.device
-        self.dataset = self.trainer.train_ds
+        self.runtime = self.trainer.runtime
+        self.model = self.runtime.model
+        self.device = self.runtime.device
+        self.dataset = self.runtime.train_ds
 
     def step(self) -> float:
-        loss, _grad_norm = self.trainer.train_step(self.trainer.sampler.next_step())
+        loss, _grad_norm = self.trainer.train_step()
         return loss
 
     @torch.no_grad()
     def loss_on(self, batch: torch.Tensor) -> float:
-        with self.trainer.autocast():
+        with self.runtime.autocast():
             return self.model(**to_model_inputs(batch.to(self.device))).loss.item()
 
 
@@ -269,31 +175,10 @@ def hf_forward_loss(model, x, y):
     return lm_loss(model(input_ids=x, use_cache=False).logits, y)
 
 
-def build_hf(model_size: dict) -> nn.Module:
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        vocab_size=model_size["vocab_size"],
-        n_positions=model_size["max_position_embeddings"],
-        n_embd=model_size["hidden_size"],
-        n_layer=model_size["num_layers"],
-        n_head=model_size["num_attention_heads"],
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-        use_cache=False,
-        tie_word_embeddings=True,
-        attn_implementation="sdpa",
-    )
-    return GPT2LMHeadModel(config)
-
-
 # ----------------------------------------------------------------------------- measuring
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
 
 
 def timed(runner) -> dict:
@@ -303,195 +188,16 @@ def timed(runner) -> dict:
     ``others_cpu_s / (wall_s * cpu_count)`` is the share of the machine that was not ours.
     """
     sync(runner.device)
-    b0, t0, c0 = _machine.system_busy_seconds(), time.perf_counter(), time.process_time()
+    b0, t0, c0 = proc.system_busy_seconds(), time.perf_counter(), time.process_time()
     loss = runner.step()
     sync(runner.device)
-    wall, cpu, b1 = time.perf_counter() - t0, time.process_time() - c0, _machine.system_busy_seconds()
+    wall, cpu, b1 = time.perf_counter() - t0, time.process_time() - c0, proc.system_busy_seconds()
     others = max(0.0, (b1 - b0) - cpu) if b0 is not None and b1 is not None else None
     return {"wall": wall, "cpu": cpu, "others": others, "loss": loss}
 
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-# ----------------------------------------------------------------------------- --profile: where a step's time goes
-# Each profiled step runs inside record_function(STEP_REGION); the loops' clip + optimizer.step + zero_grad inside
-# record_function(OPTIMIZER_REGION) (dufu's update is found through torch's own "Optimizer.step#..." regions and
-# the names of the gradient-clipping ops, since the benchmark does not change dufu's code).
-STEP_REGION = "benchmark.step"
-OPTIMIZER_REGION = "benchmark.optimizer"
-PROFILE_CATEGORIES = ("matmul", "attention", "loss", "norms/elementwise", "optimizer", "casts", "communication",
-                      "other")
-PROFILE_RULES = """\
-Every profiled event's *self* CPU time (its time minus that of the ops it called; the step region's own self
-time is the Python and framework time between ops) goes to exactly one category, so the categories add up to
-the profiled step. An event is judged by its own name and the names of the events it runs inside (its
-ancestors, which include the autograd nodes of backward, e.g. `MmBackward0`), by the first rule that holds:
-
-1. optimizer: inside the benchmark's optimizer region, or torch's `Optimizer.step#...` / `Optimizer.zero_grad#...`
-   regions, or a gradient-clipping op (`_foreach_*`, `linalg_vector_norm`), which dufu runs outside them;
-2. communication: inside a `c10d::` / `gloo:` / `nccl:` / `record_param_comms` op (zero on one process);
-3. casts: inside `aten::to` / `_to_copy` / `_autocast_to_*` / `type_as` or a `ToCopyBackward0` node: autocast's
-   casts of weights and activations, and the fp32 cast of the logits for the loss (its copy_ is counted here);
-4. attention: inside `scaled_dot_product_attention` or its backward node (every kernel SDPA dispatches to, math
-   fallback included); without SDPA, `bmm`/`baddbmm`, `softmax`/`_softmax` and their backward nodes
-   (`BmmBackward0`, `SoftmaxBackward0`): in these models a batched matmul only occurs in attention (a linear
-   layer on (B, T, C) runs as one `mm`) and the only plain softmax is attention's (the loss takes `log_softmax`);
-   the masking and scaling around an eager attention are elementwise and fall under norms/elementwise;
-5. loss: inside `cross_entropy`, `log_softmax`, `nll_loss`, `logsumexp` or their backward nodes (the softmax
-   over the vocabulary), or a custom autograd function whose name says cross entropy, except the matmuls such a
-   fused loss runs itself, which stay matmul;
-6. matmul / norms/elementwise: the nearest of the event and its ancestors named as a matmul (`mm`, `addmm`,
-   `bmm`, `linear`, `matmul`, ... and `MmBackward0`-style nodes: a bias gradient's `sum` under
-   `AddmmBackward0` is matmul) or as a norm / activation / dropout / arithmetic op (`layer_norm`, `gelu`,
-   `dropout`, `add`, `mul`, `div`, `tanh`, `where`, ... and their backward nodes);
-7. other: the rest: embedding lookups and their backward, views, copies for `contiguous`, gradient
-   accumulation, `.item()` syncs, the Python between ops.
-
-Self CPU time is measured on the thread that runs the op: on a CPU this is the step's wall time (intra-op
-threads work inside an op's time); on CUDA it is host time, not kernel time."""
-
-_MATMUL = {"mm", "addmm", "bmm", "baddbmm", "linear", "matmul", "addmv", "mv", "dot", "_addmm_activation",
-           "mmbackward0", "addmmbackward0", "linearbackward0", "matmulbackward0", "addmvbackward0", "mvbackward0"}
-_ELEMENTWISE = {"add", "add_", "sub", "sub_", "mul", "mul_", "div", "div_", "neg", "pow", "rsqrt", "sqrt", "exp",
-                "where", "masked_fill", "masked_fill_", "addcmul", "addcdiv", "clamp", "clamp_min", "threshold_backward",
-                "rsub", "reciprocal", "abs", "fill_", "zero_", "mean", "var_mean", "erf"}
-_ELEMENTWISE_NODES = {"add", "sub", "mul", "div", "neg", "pow", "rsqrt", "sqrt", "exp", "where", "maskedfill",
-                      "rsub", "mean", "clamp", "erf"}
-_NORM_WORDS = ("layer_norm", "layernorm", "rms_norm", "rmsnorm", "gelu", "dropout", "tanh", "silu", "relu",
-               "sigmoid")
-_CASTS = {"to", "_to_copy", "_autocast_to_reduced_precision", "_autocast_to_full_precision", "type_as",
-          "tocopybackward0"}
-_ATTENTION_OPS = {"bmm", "baddbmm", "softmax", "_softmax", "_softmax_backward_data", "bmmbackward0",
-                  "baddbmmbackward0", "softmaxbackward0"}
-_LOSS_PREFIXES = ("cross_entropy", "log_softmax", "_log_softmax", "nll_loss", "logsumexp", "logsoftmaxbackward",
-                  "nlllossbackward", "logsumexpbackward")
-
-
-def _base(name: str) -> str:
-    """``aten::native_layer_norm`` -> ``native_layer_norm``; ``autograd::engine::evaluate_function: MmBackward0``
-    -> ``mmbackward0``."""
-    name = name.split("evaluate_function: ", 1)[-1]
-    for prefix in ("aten::", "torch::autograd::"):
-        if name.startswith(prefix):
-            name = name[len(prefix):]
-    return name.strip().lower()
-
-
-def _is_optimizer(name: str, base: str) -> bool:
-    return (name == OPTIMIZER_REGION or name.startswith(("Optimizer.step#", "Optimizer.zero_grad#"))
-            or base.startswith("_foreach_") or base == "linalg_vector_norm")
-
-
-def _is_communication(name: str) -> bool:
-    return name.startswith(("c10d::", "gloo:", "nccl:", "record_param_comms", "ProcessGroup"))
-
-
-def _is_matmul(base: str) -> bool:
-    return base in _MATMUL
-
-
-def _is_norm_or_elementwise(base: str) -> bool:
-    if any(w in base for w in _NORM_WORDS) or base in _ELEMENTWISE:
-        return True
-    return base.endswith("backward0") and base[: -len("backward0")] in _ELEMENTWISE_NODES
-
-
-def categorize(names: list[str]) -> str:
-    """The category of an event from its own name followed by its ancestors' (innermost first); see
-    PROFILE_RULES."""
-    bases = [_base(n) for n in names]
-    if any(_is_optimizer(n, b) for n, b in zip(names, bases)):
-        return "optimizer"
-    if any(_is_communication(n) for n in names):
-        return "communication"
-    if any(b in _CASTS for b in bases):
-        return "casts"
-    if any("scaled_dot_product" in b or "scaleddotproduct" in b or b in _ATTENTION_OPS for b in bases):
-        return "attention"
-    if any(b.startswith(_LOSS_PREFIXES) or "crossentropy" in b.replace("_", "") for b in bases):
-        return "matmul" if _is_matmul(bases[0]) else "loss"
-    for b in bases:
-        if _is_matmul(b):
-            return "matmul"
-        if _is_norm_or_elementwise(b):
-            return "norms/elementwise"
-    return "other"
-
-
-def step_breakdown(events, num_steps: int) -> dict:
-    """Milliseconds per step by category, from profiler ``events`` (``prof.events()``) of ``num_steps`` steps each
-    run inside ``record_function(STEP_REGION)``. Events on other threads (CUDA's autograd thread) count when they
-    start inside a step. Returns ``{"ms": {category: ms}, "total_ms", "step_wall_ms", "top_other": [(op, ms)],
-    "top_ops": [[op, category, ms]]}``: ``total_ms`` is the sum of the categories, ``step_wall_ms`` the mean
-    duration of the step regions, ``top_ops`` the 15 ops with the most self time."""
-    steps = [e for e in events if e.name == STEP_REGION]
-    if len(steps) != num_steps:
-        raise ValueError(f"found {len(steps)} '{STEP_REGION}' regions in the profile, expected {num_steps}: run "
-                         f"each profiled step inside record_function('{STEP_REGION}')")
-    windows = [(e.time_range.start, e.time_range.end) for e in steps]
-    step_ids = {id(e) for e in steps}
-    ms = dict.fromkeys(PROFILE_CATEGORIES, 0.0)
-    other: dict[str, float] = {}
-    ops: dict[tuple[str, str], float] = {}
-    for e in events:
-        chain, node = [], e
-        while node is not None:
-            chain.append(node)
-            node = node.cpu_parent
-        root = chain[-1]
-        inside = id(root) in step_ids or (
-            root.thread != steps[0].thread and any(a <= e.time_range.start < b for a, b in windows))
-        if not inside:
-            continue
-        names = [n.name for n in chain if id(n) not in step_ids]
-        cat = categorize(names) if names else "other"
-        t = e.self_cpu_time_total / 1e3 / num_steps  # us -> ms per step
-        ms[cat] += t
-        op = e.name if names else "(Python and framework between ops)"
-        ops[(op, cat)] = ops.get((op, cat), 0.0) + t
-        if cat == "other":
-            key = "(Python and framework between ops)" if not names else e.name
-            other[key] = other.get(key, 0.0) + t
-    top = sorted(other.items(), key=lambda kv: -kv[1])[:5]
-    top_ops = [[op, cat, t] for (op, cat), t in sorted(ops.items(), key=lambda kv: -kv[1])[:15]]
-    return {"ms": ms, "total_ms": sum(ms.values()),
-            "step_wall_ms": sum(b - a for a, b in windows) / 1e3 / num_steps, "top_other": top, "top_ops": top_ops}
-
-
-def profile_steps(runner, num_steps: int, device: torch.device) -> dict:
-    """``num_steps`` steps of ``runner`` under torch.profiler (CPU activities, no shapes), broken down."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
-        for _ in range(num_steps):
-            with record_function(STEP_REGION):
-                runner.step()
-                sync(device)
-    return step_breakdown(prof.events(), num_steps)
-
-
-def profile_table(impls: list[str], breakdowns: dict) -> str:
-    """One table for one dtype: categories down, implementations across (ms/step and share)."""
-    head = "| category | " + " | ".join(f"{n} ms/step | {n} share" for n in impls) + " |"
-    lines = [head, "|---|" + "---:|---:|" * len(impls)]
-    for cat in PROFILE_CATEGORIES:
-        cells = []
-        for n in impls:
-            b = breakdowns[n]
-            cells.append(f"{b['ms'][cat]:,.1f} | {b['ms'][cat] / b['total_ms']:.1%}")
-        lines.append(f"| {cat} | " + " | ".join(cells) + " |")
-    lines.append("| **total (sum)** | " + " | ".join(f"**{breakdowns[n]['total_ms']:,.1f}** | 100%" for n in impls)
-                 + " |")
-    lines.append("| profiled step, wall | " + " | ".join(f"{breakdowns[n]['step_wall_ms']:,.1f} | " for n in impls)
-                 + " |")
-    return "\n".join(lines)
-
-
-def top_other_lines(impls: list[str], breakdowns: dict) -> list[str]:
-    return [f"{n}: largest in other: " + ", ".join(f"{op} {t:,.1f} ms" for op, t in breakdowns[n]["top_other"])
-            for n in impls]
 
 
 def run_phase(args, dtype_name: str, model_size: dict, workdir: Path, log) -> dict:
@@ -594,13 +300,14 @@ def warm_up_cpu(seconds: float = 1.0) -> None:
 
 # ----------------------------------------------------------------------------- reporting
 def machine_info() -> dict:
+    """The machine (with its fp32 and bf16 matmul peaks, measured now) and the transformers version."""
     try:
         import transformers
 
         tf_version = transformers.__version__
     except ImportError:
         tf_version = None
-    return _machine.machine_info(transformers=tf_version)
+    return machine.describe(transformers=tf_version)
 
 
 def table(phases: list[dict]) -> str:
@@ -681,7 +388,7 @@ def main(argv=None) -> int:
     model_size = QUICK_MODEL if q else FULL_MODEL
     if args.seq > model_size["max_position_embeddings"]:
         p.error(f"--seq {args.seq} exceeds the model's {model_size['max_position_embeddings']} positions")
-    results_dir = Path(args.results_dir) if args.results_dir else (None if q else REPO / "benchmarks" / "results")
+    results_dir = results.results_dir(args.results_dir, q)
 
     def log(msg: str) -> None:
         print(msg, flush=True)
@@ -693,17 +400,14 @@ def main(argv=None) -> int:
     log(f"train_step benchmark: {'tiny model (--quick)' if q else 'GPT-2 small'} ({size}); batch {args.batch} x "
         f"sequence {args.seq} = {tokens:,} tokens/step; {args.warmup} warm-up + {args.steps} timed steps per "
         f"configuration; torch {torch.__version__}, {torch.get_num_threads()} threads")
-    info = machine_info()
     load_start = os.getloadavg()
     if load_start[0] > torch.get_num_threads() + 0.5:
         log(f"warning: the 1-minute load average is {load_start[0]:.1f} with {os.cpu_count()} CPUs; other processes "
             "are competing for them and the step times will be noisy")
     warm_up_cpu()
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
-    for d in args.dtypes:
-        # On a CPU dufu measures the peak at every call and keeps the best value seen (in DUFU_CACHE_DIR, here
-        # this run's temporary directory): one measurement now, one per Trainer, one after each phase.
-        device_peak_flops(device, DTYPES[d] or torch.float32)
+    # dufu measures the peaks (fp32 and bf16) and keeps the best value seen in DUFU_CACHE_DIR (here this run's
+    # temporary directory): the MFU basis of the phases below starts from this measurement.
+    info = machine_info()
     phases = []
     with tempfile.TemporaryDirectory(prefix="dufu-bench-run-") as work:
         for d in args.dtypes:
@@ -730,8 +434,7 @@ def main(argv=None) -> int:
         f"{info['load_average_at_end']} at end")
 
     if results_dir is not None:
-        results_dir.mkdir(parents=True, exist_ok=True)
-        stem = results_dir / f"train_step-{started:%Y-%m-%d}"
+        stem = results.stem(results_dir, "train_step", f"{started:%Y-%m-%d}")
         cmd = "python benchmarks/train_step.py" + (" " + " ".join(sys.argv[1:]) if len(sys.argv) > 1 else "")
         payload = {
             "benchmark": "train_step",
@@ -746,7 +449,6 @@ def main(argv=None) -> int:
             "verdicts": verdict,
             "wall_seconds": wall,
         }
-        stem.with_suffix(".json").write_text(json.dumps(payload, indent=1) + "\n")
         profile_md = []
         if args.profile:
             profile_md = [f"## Where a step's time goes (`--profile`, {args.profile_steps} profiled steps per "
@@ -781,13 +483,14 @@ def main(argv=None) -> int:
             *profile_md,
             f"Machine: {info['cpu']} ({', '.join(info['cpu_features']) or 'no AVX-512/AMX'}), "
             f"{info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads; torch {info['torch']}, "
-            f"transformers {info['transformers']}, Python {info['python']}; {info['platform']}. "
-            f"Date {started.isoformat(timespec='seconds')}; the run took {wall:.0f} s. Load average (1/5/15 min) "
+            f"transformers {info['transformers']}, Python {info['python']}; {info['platform']}; "
+            f"{machine.peaks_text(info)}. Date {started.isoformat(timespec='seconds')}; the run took {wall:.0f} s. "
+            "Load average (1/5/15 min) "
             f"{info['load_average_at_start']} at start, {info['load_average_at_end']} at end (this benchmark alone "
             f"keeps it near the thread count; more means other processes shared the CPUs).",
             "",
         ]
-        stem.with_suffix(".md").write_text("\n".join(md))
+        results.write(stem, payload, "\n".join(md))
         log(f"wrote {stem.with_suffix('.json')} and {stem.with_suffix('.md')}")
     return 0
 

@@ -17,7 +17,7 @@ def bench():
     spec = importlib.util.spec_from_file_location("bench_packing", REPO / "benchmarks" / "packing.py")
     module = importlib.util.module_from_spec(spec)
     with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/packing.py` has it (_machine.py)
+        mp.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/packing.py` has it (harness)
         spec.loader.exec_module(module)
     return module
 

@@ -21,7 +21,7 @@ def bench():
     spec = importlib.util.spec_from_file_location("bench_plan_accuracy", REPO / "benchmarks" / "plan_accuracy.py")
     module = importlib.util.module_from_spec(spec)
     with pytest.MonkeyPatch.context() as mp:
-        # as `python benchmarks/plan_accuracy.py` has it: the script's folder first (parallel.py, _machine.py)
+        # as `python benchmarks/plan_accuracy.py` has it: the script's folder first (parallel_memory.py, harness)
         mp.syspath_prepend(str(REPO / "benchmarks"))
         mp.setitem(sys.modules, spec.name, module)  # dataclasses look their module up while it is executed
         spec.loader.exec_module(module)  # importing it runs nothing

@@ -18,7 +18,7 @@ def bench():
     spec = importlib.util.spec_from_file_location("bench_train_step", REPO / "benchmarks" / "train_step.py")
     module = importlib.util.module_from_spec(spec)
     with pytest.MonkeyPatch.context() as mp:
-        # as `python benchmarks/train_step.py` has it: the script's folder first (benchmarks/_machine.py)
+        # as `python benchmarks/train_step.py` has it: the script's folder first (benchmarks/harness)
         mp.syspath_prepend(str(REPO / "benchmarks"))
         spec.loader.exec_module(module)  # importing it sets nothing (the cache directory is set in main())
     return module

@@ -188,3 +188,31 @@ def test_cli_process_recipes_and_unknown_recipe(run_cli, tmp_path):
     assert proc.returncode == 2
     assert_one_paragraph_error(proc.stderr, "'no_such_recipe' is neither an existing config file")
     assert list(tmp_path.iterdir()) == []  # ran in tmp_path; nothing written
+
+
+# ------------------------------------------------------------------ the package
+
+
+def test_every_command_runs_from_a_module_with_main():
+    import importlib
+
+    from dufu.cli import COMMANDS, USAGE
+
+    for command, module in COMMANDS.items():
+        assert callable(importlib.import_module(module).main), module
+        assert f"\n  {command}" in USAGE, f"`dufu --help` does not list {command}"
+
+
+def test_help_and_argument_errors_do_not_import_torch(tmp_path):
+    # `dufu --help` and the --help of the commands that take a config answer in a fraction of a second: dufu.cli
+    # imports a subcommand's module only when it runs, and those modules import torch only when they need it.
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom dufu.cli import main\n"
+            "for argv in (['--help'], ['train', '--help'], ['eval', '--help'], ['plan', '--help']):\n"
+            "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip().splitlines()[-1] == "[]"

@@ -16,7 +16,7 @@ not masks; it saves, loads, trains and parallelizes like any other, from the ret
                                                                                        "labels": x}, ...])
 
 ``torch.nn.utils.prune`` only masks single tensors, and no maintained library rebuilds dufu's models smaller,
-so the cutting is written here. Reading runs and writing directories is :mod:`dufu.engine.prune_cli`'s job.
+so the cutting is written here. Reading runs and writing directories is :mod:`dufu.cli.prune`'s job.
 """
 
 from __future__ import annotations
@@ -199,7 +199,7 @@ def apply_plan(model: nn.Module, plan: PrunePlan) -> tuple[nn.Module, dict]:
     flags = dict(model.named_parameters())
     for name, p in small.named_parameters():
         p.requires_grad_(flags[name].requires_grad)
-    small.return_dict = getattr(model, "return_dict", True)
+    small.return_dict = model.return_dict
     small.train(model.training)
     return small, kwargs
 

@@ -18,7 +18,8 @@ from torch.distributed.tensor import DTensor
 
 from dufu.errors import DufuError
 from dufu.layers import Attention, GatedMLP, Linear, MLP
-from dufu.models.bert.model import BertForMaskedLM, BertForSequenceClassification, BertModel, _BertEncoder
+from dufu.models.bert.model import (BertForMaskedLM, BertForSequenceClassification, BertModel,
+                                    RobertaForSequenceClassification, _BertEncoder)
 from dufu.models.gpt.model import GPTModel
 from dufu.models.llama.model import LlamaModel
 
@@ -88,7 +89,8 @@ def _bert_kwargs(model: _BertEncoder) -> dict:
         kwargs["tie_word_embeddings"] = model.tie_word_embeddings
     elif isinstance(model, BertForSequenceClassification):
         # BERT keeps its classifier dropout beside the classifier, RoBERTa's head holds its own
-        drop = model.classifier_dropout if hasattr(model, "classifier_dropout") else model.classifier.drop
+        roberta = isinstance(model, RobertaForSequenceClassification)
+        drop = model.classifier.drop if roberta else model.classifier_dropout
         kwargs.update(num_labels=model.num_labels, classifier_dropout=drop.p)
     return kwargs
 
@@ -108,10 +110,10 @@ def family_of(model: nn.Module) -> Family:
     if family is None:
         raise DufuError(f"structured pruning supports {SUPPORTED}; got {name}. Other families (T5, ViT, Swin, "
                         "transformers models as-is) cannot be pruned by dufu.")
-    if getattr(model, "delta_info", None) is not None:
+    if model.delta_info is not None:
         raise DufuError(f"{name} carries a delta (LoRA, adapters, prefixes ...): prune the base model, or merge "
                         "LoRA into the weights first (dufu.delta.lora.merge_lora_) and remove the delta.")
-    if getattr(model, "blocks", None) is None or len(model.blocks) == 0 or getattr(model, "wte", None) is None:
+    if len(model.blocks) == 0 or model.token_embedding() is None:
         raise DufuError(f"{name} has no blocks or no embedding (a pipeline stage?): prune the whole model on one "
                         "device, before it is split.")
     for p in model.parameters():

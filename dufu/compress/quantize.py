@@ -39,6 +39,7 @@ Which weights (the same rule for every family):
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 
 from dataclasses import dataclass, field
@@ -47,9 +48,10 @@ from typing import Optional
 import torch
 from torch import nn
 
+from dufu.delta import lora_layers
 from dufu.errors import DufuError
 from dufu.layers import VocabEmbedding
-from dufu.models.base import tied_names
+from dufu.models.base import contract_of, tied_names
 
 SCHEMES = ("int8-weight", "int8-dynamic", "int4-weight")
 INT4_GROUP_SIZES = (32, 64, 128)  # what the CPU int4 kernel accepts
@@ -87,6 +89,7 @@ class QuantizationInfo:
 
 def torchao_config(scheme: str, group_size: Optional[int] = None):
     """The torchao config object of ``scheme`` for the network's linear layers."""
+    # here, not at the top: torchao is optional
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
 
     # set_inductor_config=False: torchao would otherwise change torch._inductor's global settings for the
@@ -96,6 +99,7 @@ def torchao_config(scheme: str, group_size: Optional[int] = None):
     if scheme == "int8-dynamic":
         return Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
     if scheme == "int4-weight":
+        # here, not at the top: torchao is optional
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
 
         return PrototypeInt4WeightOnlyConfig(group_size=group_size or INT4_GROUP_SIZE, set_inductor_config=False)
@@ -128,7 +132,7 @@ def vocab_config():
 
 
 def is_quantized_tensor(t) -> bool:
-    from torchao.utils import TorchAOBaseTensor
+    from torchao.utils import TorchAOBaseTensor  # here, not at the top: torchao is optional
 
     return isinstance(t, TorchAOBaseTensor)
 
@@ -161,19 +165,16 @@ def check_quantizable(model: nn.Module, scheme: str) -> None:
     """The errors :func:`quantize_model` raises before touching the model."""
     if scheme not in SCHEMES:
         raise QuantizationError(f"unknown quantization scheme {scheme!r}; the schemes are {', '.join(SCHEMES)}.")
-    import importlib.util
-
     if importlib.util.find_spec("torchao") is None:
         raise QuantizationError("quantization runs on torchao, which is not installed: "
                                 "pip install torchao torch==2.13.0")
-    if getattr(type(model), "hf_mapping", None) is not None:  # dufu.models.hf_auto.HFAutoModel
+    declared = contract_of(model)
+    if declared.hf_mapping is not None:  # a class carrying its own mapping: dufu.models.hf_auto.HFAutoModel
         raise QuantizationError(
             f"{type(model).__name__} is a transformers model run as-is (hf_auto), not a dufu family, so dufu has no "
             "quantized format for it. Quantize it with transformers itself: AutoModel.from_pretrained(DIR, "
             "quantization_config=TorchAoConfig(Int8WeightOnlyConfig())).")
-    from dufu.delta import lora_layers
-
-    if getattr(model, "delta_info", None) is not None or lora_layers(model):
+    if declared.delta_info is not None or lora_layers(model):
         raise QuantizationError(
             "the model carries a delta (LoRA, adapters, prefix or prompt tuning); quantize the merged model: "
             "`dufu convert RUN --to-hf DIR --merge`, then `dufu quantize DIR ...`.")
@@ -233,7 +234,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     """Quantize ``model`` in place with torchao (see the module docstring for which weights get what) and
     return what was done (also kept as ``model.quantization_info``). The model is put in eval mode: a
     quantized model is for inference (its weights no longer train)."""
-    from torchao.quantization import quantize_
+    from torchao.quantization import quantize_  # here, not at the top: torchao is optional
 
     check_quantizable(model, scheme)
     linears, vocab, kept = plan(model, scheme, group_size)
@@ -243,7 +244,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
     linear_before = sum(tensor_bytes(modules[n].weight) for n in linears)
     model.eval()
     notes = []
-    if getattr(model, "fused_loss", False):
+    if contract_of(model).fused_loss:
         # The fused head + loss multiplies by lm_head.weight itself (a transpose torchao's tensors lack);
         # without it the loss is computed from the logits: the same numbers, more memory.
         model.fused_loss = False

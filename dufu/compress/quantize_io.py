@@ -19,20 +19,24 @@ A directory holds
 * ``dufu_quantization.json`` -- the manifest: scheme, torchao/torch versions, the weights file and its
   naming, which modules are quantized to which torchao type and which kept in full precision (and why),
   the tied parameters, bytes, and where the model came from;
-* the source's tokenizer files (``tokenizer.json`` ...), copied by the caller (:mod:`dufu.engine.quantize_cli`).
+* the source's tokenizer files (``tokenizer.json`` ...), copied by the caller (:mod:`dufu.cli.quantize`).
 """
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 from typing import Iterable, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dufu.compress.quantize import (
+    VOCAB_HEAD,
     QuantizationError,
     QuantizationInfo,
     is_quantized_tensor,
@@ -41,6 +45,9 @@ from dufu.compress.quantize import (
     vocab_config,
 )
 from dufu.errors import CheckpointError, DataError
+from dufu.layers import VocabEmbedding
+from dufu.models.base import contract_of
+from dufu.models.hub import adapter_for_model, build_from_hf_config, read_hf_config
 
 MANIFEST = "dufu_quantization.json"
 FORMAT = "dufu-quantized"
@@ -75,8 +82,6 @@ INT4_CANNOT_LOAD = ("torchao 0.18 can neither write the CPU int4 tensor (Int4Opa
 
 def transformers_layout_problem(model: nn.Module, scheme: str) -> Optional[str]:
     """Why transformers cannot load ``model`` quantized with ``scheme``, or None when it can."""
-    from dufu.models.hub import adapter_for_model
-
     if scheme == "int4-weight":
         return INT4_CANNOT_LOAD
     ad = adapter_for_model(model)
@@ -88,6 +93,7 @@ def transformers_layout_problem(model: nn.Module, scheme: str) -> Optional[str]:
 
 
 def _torchao_safetensors_types() -> set[str]:
+    # here, not at the top: torchao is optional
     from torchao.prototype.safetensors.safetensors_utils import ALLOWED_TENSORS_SUBCLASSES
 
     return set(ALLOWED_TENSORS_SUBCLASSES)
@@ -102,6 +108,7 @@ def _quantization_config(ad, model: nn.Module, info: QuantizationInfo) -> dict:
     same plan (written with torchao's own ``config_to_dict``, so saving needs no transformers). Every module is
     named with its own config (torchao deprecates the ``_default`` key): the scheme's for the network's linear
     layers, int8 per row for the embedding and the vocabulary head, None for the task heads kept as they are."""
+    # here, not at the top: torchao is optional
     from torchao.core.config import config_to_dict
     from torchao.quantization import FqnToConfig
 
@@ -117,9 +124,6 @@ def _quantization_config(ad, model: nn.Module, info: QuantizationInfo) -> dict:
 
 
 def _is_vocab(model: nn.Module, name: str) -> bool:
-    from dufu.compress.quantize import VOCAB_HEAD
-    from dufu.layers import VocabEmbedding
-
     return name == VOCAB_HEAD or isinstance(model.get_submodule(name), VocabEmbedding)
 
 
@@ -132,13 +136,7 @@ def save_quantized(model: nn.Module, scheme: str, source_info: dict, out_dir, ex
     """Write ``model`` (quantized by :func:`dufu.compress.quantize.quantize_model` with ``scheme``) to
     ``out_dir`` (see the module docstring); ``source_info``: where it came from, kept in the manifest;
     ``extra_files``: files copied as they are (the tokenizer's)."""
-    import shutil
-
-    from safetensors.torch import save_file
-
-    from dufu.models.hub import adapter_for_model
-
-    info: Optional[QuantizationInfo] = getattr(model, "quantization_info", None)
+    info: Optional[QuantizationInfo] = contract_of(model).quantization_info
     if info is None:
         raise QuantizationError("the model is not quantized; run dufu.compress.quantize.quantize_model first.")
     if info.scheme != scheme:
@@ -161,6 +159,7 @@ def save_quantized(model: nn.Module, scheme: str, source_info: dict, out_dir, ex
     for stale in (HF_WEIGHTS, DUFU_SAFETENSORS, DUFU_TORCH):
         (out / stale).unlink(missing_ok=True)
     if types <= _torchao_safetensors_types():
+        # here, not at the top: torchao is optional
         from torchao.prototype.safetensors.safetensors_support import flatten_tensor_state_dict
 
         flat, metadata = flatten_tensor_state_dict(tensors)
@@ -173,7 +172,7 @@ def save_quantized(model: nn.Module, scheme: str, source_info: dict, out_dir, ex
     (out / "config.json").write_text(json.dumps(hf_config, indent=2))
     for f in extra_files:
         shutil.copyfile(f, out / Path(f).name)
-    import torchao
+    import torchao  # here, not at the top: torchao is optional
 
     manifest = {
         "format": FORMAT, "version": VERSION, "scheme": scheme, "group_size": info.group_size,
@@ -221,8 +220,7 @@ def _read_weights(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
         except Exception as e:
             raise CheckpointError(f"{file} cannot be read ({type(e).__name__}: {e}); write it again with dufu "
                                   f"quantize (torchao {manifest.get('torchao')} wrote it).") from None
-    from safetensors import safe_open
-    from safetensors.torch import load_file
+    # here, not at the top: torchao is optional
     from torchao.prototype.safetensors.safetensors_support import unflatten_tensor_state_dict
 
     with safe_open(str(file), framework="pt") as f:
@@ -236,8 +234,6 @@ def _read_weights(path: Path, manifest: dict) -> dict[str, torch.Tensor]:
 def _stored_names(model: nn.Module, manifest: dict) -> tuple[dict[str, str], list[str]]:
     """For each of the model's state-dict names, the name it is stored under; and the regexes of names the
     file may lack (recomputed on load, e.g. rotary tables that transformers does not save)."""
-    from dufu.models.hub import adapter_for_model
-
     keys = list(model.state_dict())
     if manifest["names"] == "dufu":
         return {k: k for k in keys}, []
@@ -252,8 +248,6 @@ def load_quantized(path) -> nn.Module:
     ``quantization_info``. It is built on the meta device from config.json and given the stored tensors as
     they are (no re-quantization); only what the file lacks by design (tables recomputed from the config)
     is allocated and initialised by the family's own rule."""
-    from dufu.models.hub import build_from_hf_config, read_hf_config
-
     path = Path(path)
     manifest = read_manifest(path)
     with torch.device("meta"):

@@ -13,11 +13,9 @@ from typing import Any
 
 from dufu.errors import ConfigError
 
-from .node import ConfigDict
+from .node import TARGET_KEY, ConfigDict
 
 __all__ = ["LazyCall", "TARGET_KEY"]
-
-TARGET_KEY = "_target_"
 
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
 

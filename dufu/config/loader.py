@@ -15,6 +15,12 @@ copies, so editing a loaded config never changes another one. Absolute
 imports are ordinary Python imports: share configs between files only with
 relative imports (an absolutely imported config module would be one shared,
 mutable object).
+
+Each file is checked as soon as it has been executed or read
+(`dufu.config.schema.check_config`): an unknown key or a value of the wrong
+type in a typed node, or a key a LazyCall target does not take, is an error
+naming the file, the line where the key is set (when it can be found) and the
+closest existing keys, exactly as for a command-line override.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from __future__ import annotations
 import builtins
 import copy
 import itertools
+import re
 import threading
 import types
 from collections.abc import Iterator
@@ -34,6 +41,7 @@ import yaml
 from dufu.errors import ConfigError
 
 from .node import ConfigDict, closest, convert_dicts
+from .schema import KeyProblem, check_config
 
 __all__ = ["load"]
 
@@ -68,6 +76,7 @@ def load(path: str | Path, keys: str | tuple[str, ...] | list[str] | None = None
         cfg = copy.deepcopy(cfg)
     else:
         cfg = _load_yaml(file)
+        _check(cfg, file)
     if keys is None:
         return cfg
     if isinstance(keys, str):
@@ -166,7 +175,56 @@ def _exec_config(file: Path) -> dict[str, Any]:
         raise located from exc
     finally:
         stack.pop()
+    _check({k: v for k, v in namespace.items() if not k.startswith("_") and isinstance(v, _DATA_TYPES)}, file)
     return namespace
+
+
+def _check(data: Any, file: Path) -> None:
+    """`check_config` on what `file` defines; an error names the file and, when found, the key's line."""
+    try:
+        check_config(data)
+    except KeyProblem as exc:
+        line = _key_line(file, exc.key)
+        where = f"In config file {file}, line {line}" if line else f"In config file {file}"
+        raise _located(KeyProblem(f"{where}: {exc}", exc.key)) from None
+    except ConfigError as exc:
+        raise _located(ConfigError(f"In config file {file}: {exc}")) from None
+
+
+def _key_line(file: Path, key: str) -> int | None:
+    """The line of `file` that sets the dotted `key`: in Python the last assignment to it (``a.b.c = ...`` or
+    ``c=...`` in a call), in YAML the nested ``c:`` under ``a:`` and ``b:``."""
+    try:
+        lines = file.read_text(encoding="utf-8").splitlines()
+    except OSError:
+        return None
+    parts = key.split(".")
+    if file.suffix == ".py":
+        for pattern in (rf"\b{re.escape(key)}\s*=(?!=)", rf"\b{re.escape(parts[-1])}\s*=(?!=)",
+                        rf"\b{re.escape(parts[-1])}\b"):
+            found = [n for n, text in enumerate(lines, 1) if re.search(pattern, text.split("#")[0])]
+            if found:
+                return found[-1]
+        return None
+    start, child, found = 0, 0, None
+    for part in parts:
+        found = None
+        for n in range(start, len(lines)):
+            text = lines[n].split(" #")[0].rstrip()
+            if not text.strip() or text.lstrip().startswith("#"):
+                continue
+            indent = len(text) - len(text.lstrip())
+            if indent < child:
+                return None  # past the parent's block
+            if indent == child and re.match(rf"['\"]?{re.escape(part)}['\"]?\s*:", text.lstrip()):
+                found = n
+                break
+        if found is None:
+            return None
+        start = found + 1
+        below = next((ln for ln in lines[start:] if ln.strip() and not ln.lstrip().startswith("#")), "")
+        child = len(below) - len(below.lstrip())
+    return found + 1 if found is not None else None
 
 
 def _located(exc: ConfigError) -> ConfigError:

@@ -6,8 +6,14 @@ a `dict` with attribute access (``cfg.train.amp.enabled``). It stays a real
 deepcopy all work as usual.
 
 Keys that collide with `dict` method names (``items``, ``keys``, ``values``,
-``update``, ``copy``, ``get``, ``pop``, ...) are allowed, but they can only be
-read and written with ``cfg["items"]``; attribute access finds the method.
+``update``, ``copy``, ``get``, ``pop``, ``add``, ...) are allowed, but they can
+only be read and written with ``cfg["items"]``; attribute access finds the
+method.
+
+Three keys are reserved: ``_target_`` (the callable of a LazyCall node),
+``_schema_`` (the dotted name of the schema dataclass a typed node follows, see
+`dufu.config.schema`) and ``_new_`` (the keys of a typed node that were added
+on purpose with `ConfigDict.add`, which its schema does not know).
 """
 
 from __future__ import annotations
@@ -19,13 +25,22 @@ from typing import Any
 from dufu.errors import ConfigError
 
 __all__ = [
+    "NEW_KEY",
+    "SCHEMA_KEY",
+    "TARGET_KEY",
     "ConfigDict",
     "ConfigKeyError",
     "closest",
+    "closest_keys",
     "convert_dicts",
     "flatten",
     "iter_key_paths",
 ]
+
+
+TARGET_KEY = "_target_"
+SCHEMA_KEY = "_schema_"
+NEW_KEY = "_new_"
 
 
 class ConfigKeyError(ConfigError, AttributeError):
@@ -40,6 +55,27 @@ class ConfigKeyError(ConfigError, AttributeError):
 def closest(word: str, candidates: Iterable[str], n: int = 3, cutoff: float = 0.6) -> list[str]:
     """Up to `n` entries of `candidates` most similar to `word` (difflib ratio >= cutoff)."""
     return difflib.get_close_matches(word, [str(c) for c in candidates], n=n, cutoff=cutoff)
+
+
+def closest_keys(key: str, paths: Iterable[str], n: int = 3) -> list[str]:
+    """Up to `n` dotted key paths most like `key`: by the whole path, then by the last part
+    (``train.lr_warmup`` finds ``train.warmup_iter``). Reserved keys other than ``_target_`` are never proposed."""
+    paths = [p for p in paths if p.rsplit(".", 1)[-1] not in (SCHEMA_KEY, NEW_KEY)]
+    matches = closest(key, paths, n=n)
+    if len(matches) < n:
+        last = key.rsplit(".", 1)[-1]
+        by_last: dict[str, list[str]] = {}
+        for p in paths:
+            by_last.setdefault(p.rsplit(".", 1)[-1], []).append(p)
+        for name in closest(last, by_last, n=n, cutoff=0.5):
+            matches += [p for p in by_last[name] if p not in matches]
+    return matches[:n]
+
+
+def value_repr(value: Any, limit: int = 50) -> str:
+    """`repr(value)`, shortened to `limit` characters for messages."""
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _quote_list(names: Iterable[str]) -> str:
@@ -105,6 +141,32 @@ class ConfigDict(dict):
         if key not in self:
             self[key] = default
         return self[key]
+
+    def add(self, **new_keys: Any) -> None:
+        """Add keys that do not exist yet, on purpose: the ``+key=value`` of command-line overrides.
+
+        A typed node (one with ``_schema_``, or a group of keys inside one) refuses keys its schema does not
+        know when its file has been executed; keys added here are listed under ``_new_`` and accepted, also
+        after a round trip through YAML. A LazyCall node's keys are its target's parameters, so nothing is listed for it.
+
+        >>> train = ConfigDict(train_iter=10)
+        >>> train.add(my_setting=3)
+        >>> train.my_setting, train["_new_"]
+        (3, ['my_setting'])
+        """
+        for key, value in new_keys.items():
+            if key in self:
+                raise ConfigError(
+                    f"add({key}=...): the key {key!r} already exists (value {value_repr(self[key])}). Assign it "
+                    f"instead (cfg.{key} = ...); add() is for keys that do not exist yet."
+                )
+            self[key] = value
+            if TARGET_KEY not in self:
+                listed = self.get(NEW_KEY)
+                if listed is None:
+                    listed = dict.setdefault(self, NEW_KEY, [])
+                if key not in listed:
+                    listed.append(key)
 
     def copy(self) -> ConfigDict:
         """A shallow copy that is still a ConfigDict (``dict.copy`` would give a dict)."""

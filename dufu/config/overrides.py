@@ -4,39 +4,34 @@ Values are parsed as Python literals (``1e-3``, ``[1, 2]``, ``'text'``), then
 as the YAML words true/false/null/none, and otherwise kept as the raw text.
 
 Unlike detectron2, a key that does not exist is an error naming the nearest
-existing keys (a typo must not silently train the wrong model), and the new
-value must have the type of the current one. ``+key=value`` adds a new key.
+existing keys (a typo must not silently train the wrong model). Inside a typed
+node (`dufu.config.schema`) the new value must have the type its schema
+declares (which says, e.g., which keys also take the word "auto"); elsewhere
+it must have the type of the current value. ``+key=value`` adds a new key; in a
+typed node it is listed under ``_new_``, as `ConfigDict.add` does in files.
+After the overrides, the whole config is checked as a loaded file is
+(`dufu.config.schema.check_config`).
 """
 
 from __future__ import annotations
 
 import ast
 import re
+import typing
 from collections.abc import Iterable, MutableMapping
 from typing import Any
 
 from dufu.errors import ConfigError
 
-from .node import closest, iter_key_paths
+from .instantiate import locate
+from .node import NEW_KEY, TARGET_KEY, closest_keys, iter_key_paths, value_repr
+from .schema import check_call_node, check_config, field_types, nested_schema, schema_of
+from .typecheck import Mismatch, conform, describe, scalar_kinds
 
-__all__ = ["apply_overrides", "parse_value"]
+__all__ = ["apply_overrides", "is_auto", "parse_value"]
 
-# Settings that are a switch or a named choice: a bool, or a word such as "auto" (the setting's own checks say
-# which words it takes). Any other bool or str key keeps its type.
-SWITCH_OR_CHOICE = frozenset({"train.amp.enabled", "train.compile.enabled"})
-# Layout settings that may be "auto": `dufu plan` searches them and `dufu train` runs the planner's best choice
-# (dufu.plan; this order is the one its messages use). Any of them may also be set back from "auto" to a value of
-# its own type.
-AUTO_KEYS = (
-    "train.dist.data_parallel_size", "train.dist.tensor_parallel_size", "train.dist.pipeline_parallel_size",
-    "train.dist.expert_parallel_size", "train.dist.context_parallel_size", "train.dist.sequence_parallel",
-    "train.dist.virtual_pipeline_size", "train.train_micro_batch_size", "train.zero_optimization.stage",
-    "train.activation_checkpoint.enabled",
-)
-# Keys a config need not define, with the type an override gives them: train.dist.auto=True lets the planner
-# choose every layout setting above.
-OPTIONAL_KEYS = {"train.dist.auto": bool}
 _DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
+_FLOAT_WORDS = ("inf", "-inf", "+inf", "nan")
 _WORDS = {"true": True, "false": False, "null": None, "none": None, "~": None}
 
 
@@ -58,11 +53,14 @@ def parse_value(text: str) -> Any:
 
 
 def apply_overrides(cfg: MutableMapping, overrides: Iterable[str] | str) -> MutableMapping:
-    """Apply ``key=value`` overrides to `cfg` in place, in order; return `cfg`."""
+    """Apply ``key=value`` overrides to `cfg` in place, in order; check the result; return `cfg`."""
     if isinstance(overrides, str):
         overrides = [overrides]
+    overrides = list(overrides)
     for item in overrides:
         _apply_one(cfg, item)
+    if overrides:
+        check_config(cfg, source=f"the config after the overrides {' '.join(map(str, overrides))}")
     return cfg
 
 
@@ -75,19 +73,7 @@ def _malformed(item: Any, why: str) -> ConfigError:
 
 
 def _unknown_key(cfg: MutableMapping, key: str, item: str) -> ConfigError:
-    paths = [p for p, _ in iter_key_paths(cfg)]
-    matches = closest(key, paths)
-    if len(matches) < 3:
-        # Also match on the last segment: `train.lr_warmup` vs `train.warmup_iter`.
-        last = key.rsplit(".", 1)[-1]
-        by_last: dict[str, list[str]] = {}
-        for p in paths:
-            by_last.setdefault(p.rsplit(".", 1)[-1], []).append(p)
-        for name in closest(last, by_last, n=3, cutoff=0.5):
-            for p in by_last[name]:
-                if p not in matches:
-                    matches.append(p)
-        matches = matches[:3]
+    matches = closest_keys(key, [p for p, _ in iter_key_paths(cfg)])
     hint = (
         f"Did you mean: {', '.join(repr(m) for m in matches)}? "
         if matches
@@ -128,9 +114,11 @@ def _apply_one(cfg: MutableMapping, item: Any) -> None:
     value = parse_value(raw)
 
     node: Any = cfg
+    tp: Any = None  # the annotation a typed parent gives `node`
     for depth, seg in enumerate(segments[:-1]):
         here = ".".join(segments[: depth + 1])
         if isinstance(node, MutableMapping):
+            schema = schema_of(node, tp)
             found, k = _lookup(node, seg)
             if not found:
                 if add:
@@ -141,8 +129,10 @@ def _apply_one(cfg: MutableMapping, item: Any) -> None:
                         f"the spelling."
                     )
                 raise _unknown_key(cfg, key, item)
+            tp = _field_type(schema, k)
             node = node[k]
         elif isinstance(node, list) and seg.isdigit():
+            tp = None
             index = int(seg)
             if index >= len(node):
                 raise ConfigError(
@@ -161,6 +151,7 @@ def _apply_one(cfg: MutableMapping, item: Any) -> None:
 
     last = segments[-1]
     if isinstance(node, MutableMapping):
+        schema = schema_of(node, tp)
         found, k = _lookup(node, last)
         if add:
             if found:
@@ -169,13 +160,22 @@ def _apply_one(cfg: MutableMapping, item: Any) -> None:
                     f"(value {_short(node[k])}). Drop the '+' to change it: `{key}={raw}`."
                 )
             node[last] = value
+            if schema is not None:  # on purpose: the schema's check lets it pass (ConfigDict.add in files)
+                listed = node.setdefault(NEW_KEY, [])
+                if last not in listed:
+                    listed.append(last)
+            elif TARGET_KEY in node:
+                _check_call(node, ".".join(segments[:-1]), item)
             return
-        if not found:
-            if key in OPTIONAL_KEYS and isinstance(value, OPTIONAL_KEYS[key]):
-                node[last] = value
-                return
+        field_tp = _field_type(schema, k)
+        if not found and field_tp is None:
             raise _unknown_key(cfg, key, item)
-        node[k] = _coerce(key, node[k], value, raw, item)
+        if field_tp is not None:
+            node[k] = _coerce_typed(key, field_tp, node.get(k), value, raw, item)
+        else:
+            node[k] = _coerce(key, node[k], value, raw, item)
+        if TARGET_KEY in node:
+            _check_call(node, ".".join(segments[:-1]), item)
         return
     parent = ".".join(segments[:-1])
     if isinstance(node, list) and last.isdigit() and not add:
@@ -195,34 +195,94 @@ def _apply_one(cfg: MutableMapping, item: Any) -> None:
     )
 
 
+def _field_type(schema: type | None, key: Any) -> Any:
+    if schema is None:
+        return None
+    found = field_types(schema).get(key)
+    return found[0] if found is not None else None
+
+
+def _check_call(node: MutableMapping, path: str, item: str) -> None:
+    try:
+        check_call_node(node, path)
+    except ConfigError as exc:
+        raise ConfigError(f"Override {item!r}: {exc}") from None
+
+
 def is_auto(value: Any) -> bool:
+    """Whether `value` is the word "auto" (any case, surrounding spaces allowed)."""
     return isinstance(value, str) and value.strip().lower() == "auto"
 
 
-def auto_layout_keys(cfg) -> list[str]:
-    """The layout settings ``cfg`` leaves to the planner: the AUTO_KEYS set to "auto", or ``train.dist.auto``
-    when it is True. Cheap: no planner import."""
-    def value(dotted):
-        node = cfg
-        for part in dotted.split("."):
-            node = node.get(part) if hasattr(node, "get") else None
-        return node
-
-    left = [k for k in AUTO_KEYS if is_auto(value(k))]
-    return left + (["train.dist.auto"] if value("train.dist.auto") is True else [])
-
-
 def _short(value: Any, limit: int = 50) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
+    return value_repr(value, limit)
+
+
+def _hint(kind: type, key: str, current: Any, value: Any, raw: str) -> str:
+    """What to write instead, for a key whose (first) type is `kind`."""
+    if kind is bool:
+        extra = " (1 and 0 are ints, not bools)" if isinstance(value, int) and not isinstance(value, bool) else ""
+        return f"Write {key}=true or {key}=false{extra}."
+    if kind is int:
+        if isinstance(value, float):
+            if not value.is_integer():
+                return "Write a whole number; fractional values are not valid for this key."
+            return f"Write a whole number without a decimal point, e.g. {key}={int(value)}."
+        example = current if isinstance(current, int) and not isinstance(current, bool) else 1
+        return f"Write a whole number, e.g. {key}={example}."
+    if kind is float:
+        example = current if isinstance(current, float) else 1.0
+        return f"Write a number, e.g. {key}={example!r} or {key}=1e-3."
+    if kind is str:
+        return f"If you mean the text, quote it so it stays a string: {key}=\"'{raw.strip()}'\"."
+    if kind in (list, tuple):
+        return f"Write a Python list literal and quote it for the shell, e.g. {key}='[1, 2]'."
+    return ""
+
+
+def _group_error(key: str, current: MutableMapping, value: Any, item: str) -> ConfigError:
+    subkeys = [str(k) for k in current if k not in (NEW_KEY, "_schema_")][:6]
+    example = f"`{key}.{subkeys[0]}=...`" if subkeys else f"`+{key}.name=...`"
+    return ConfigError(
+        f"Config key '{key}' is a group of keys ({', '.join(subkeys) or 'empty'}), so the "
+        f"override {item!r} cannot replace it with the single value {_short(value)}. "
+        f"Override its sub-keys instead, e.g. {example}."
+    )
+
+
+def _coerce_typed(key: str, tp: Any, current: Any, value: Any, raw: str, item: str) -> Any:
+    """Check `value` against the annotation `tp` of a typed node's key; return the value to store."""
+    if isinstance(current, MutableMapping) and not isinstance(value, dict):
+        raise _group_error(key, current, value, item)
+    if isinstance(value, str) and raw.strip().lower() in _FLOAT_WORDS and float in scalar_kinds(tp):
+        value = float(raw.strip())
+    try:
+        return conform(tp, value)
+    except Mismatch as exc:
+        kinds = scalar_kinds(tp)
+        kinds.sort(key=lambda k: k is not type(current))  # the hint follows what the key holds now
+        hint = _hint(kinds[0], key, current, value, raw) if kinds else ""
+        words = [w for w in _words(tp) if isinstance(w, str)]
+        if words:
+            hint += f" It also takes the word{'s' if len(words) > 1 else ''} {', '.join(map(repr, words))}."
+        reason = f"{exc} " if str(exc) else ""
+        raise ConfigError(
+            f"Config key '{key}' expects {describe(tp, first=current)} (current value {_short(current)}), but "
+            f"the override {item!r} gives {_short(value)} of type {type(value).__name__}. {reason}{hint}".rstrip()
+        ) from None
+
+
+def _words(tp: Any) -> list:
+    members = typing.get_args(tp) if typing.get_origin(tp) is not typing.Literal else (tp,)
+    return [w for m in members if typing.get_origin(m) is typing.Literal for w in typing.get_args(m)]
 
 
 def _coerce(key: str, current: Any, value: Any, raw: str, item: str) -> Any:
-    """Check `value` against the type of `current`; return the value to store."""
+    """Check `value` against the type of `current` (a key no schema describes); return the value to store."""
     if current is None:
         return value
     if value is None and isinstance(current, (int, float, list, tuple)) and not isinstance(current, bool):
-        # Numbers and lists are often optional (train.stop_at_iter, train.global_batch_size=None to derive it).
+        # Numbers and lists are often optional (a stop step, a batch size left None to derive it).
         return None
 
     def wrong(expected: str, hint: str) -> ConfigError:
@@ -231,57 +291,34 @@ def _coerce(key: str, current: Any, value: Any, raw: str, item: str) -> Any:
             f"override {item!r} gives {_short(value)} of type {type(value).__name__}. {hint}"
         )
 
-    if key in SWITCH_OR_CHOICE and isinstance(current, (bool, str)) and isinstance(value, (bool, str)):
-        return value
-    if key in AUTO_KEYS and (is_auto(value) or is_auto(current)):
-        return "auto" if is_auto(value) else value
-    raw_text = raw.strip()
-    quote_hint = (
-        f"If you mean the text, quote it so it stays a string: {key}=\"'{raw_text}'\"."
-    )
     if isinstance(current, bool):
         if isinstance(value, bool):
             return value
-        extra = " (1 and 0 are ints, not bools)" if isinstance(value, int) else ""
-        raise wrong("a bool", f"Write {key}=true or {key}=false{extra}.")
+        raise wrong("a bool", _hint(bool, key, current, value, raw))
     if isinstance(current, int):
         if isinstance(value, int) and not isinstance(value, bool):
             return value
-        if isinstance(value, float):
-            hint = f"Write a whole number without a decimal point, e.g. {key}={int(value)}."
-            if not value.is_integer():
-                hint = "Write a whole number; fractional values are not valid for this key."
-            raise wrong("an int", hint)
-        raise wrong("an int", f"Write a whole number, e.g. {key}={current}.")
+        raise wrong("an int", _hint(int, key, current, value, raw))
     if isinstance(current, float):
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str) and raw_text.lower() in {"inf", "-inf", "+inf", "nan"}:
-            return float(raw_text)
-        raise wrong("a float", f"Write a number, e.g. {key}={current!r} or {key}=1e-3.")
+        if isinstance(value, str) and raw.strip().lower() in _FLOAT_WORDS:
+            return float(raw.strip())
+        raise wrong("a float", _hint(float, key, current, value, raw))
     if isinstance(current, str):
         if isinstance(value, str):
             return value
-        raise wrong("a str", quote_hint)
+        raise wrong("a str", _hint(str, key, current, value, raw))
     if isinstance(current, (list, tuple)):
         if isinstance(value, (list, tuple)):
             if isinstance(current, tuple) and hasattr(current, "_fields"):
                 return type(current)(*value)
             return type(current)(value)
-        raise wrong(
-            f"a {type(current).__name__}",
-            f"Write a Python list literal and quote it for the shell, e.g. {key}='[1, 2]'.",
-        )
+        raise wrong(f"a {type(current).__name__}", _hint(list, key, current, value, raw))
     if isinstance(current, MutableMapping):
         if isinstance(value, dict):
             return value
-        subkeys = [str(k) for k in current][:6]
-        example = f"`{key}.{subkeys[0]}=...`" if subkeys else f"`+{key}.name=...`"
-        raise ConfigError(
-            f"Config key '{key}' is a group of keys ({', '.join(subkeys) or 'empty'}), so the "
-            f"override {item!r} cannot replace it with the single value {_short(value)}. "
-            f"Override its sub-keys instead, e.g. {example}."
-        )
+        raise _group_error(key, current, value, item)
     if callable(current):
         if isinstance(value, str) and _DOTTED.match(value):
             return value

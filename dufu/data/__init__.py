@@ -16,7 +16,7 @@ Modules: :mod:`~dufu.data.corpus` (text inputs and the built-in corpus),
 :mod:`~dufu.data.dataset` (samples and the train/validation split),
 :mod:`~dufu.data.blend` (weighted blends of datasets) and
 :mod:`~dufu.data.sampler`. Caches live under ``$DUFU_CACHE_DIR`` (default
-``~/.cache/dufu``), see :mod:`~dufu.data._cache`.
+``~/.cache/dufu``), see :mod:`~dufu.cache`.
 """
 
 from .blend import BlendedDataset, ValidationSets

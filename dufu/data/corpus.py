@@ -30,7 +30,7 @@ from typing import Iterator, Sequence, Union
 from dufu.errors import DataError
 
 from . import hf_datasets
-from ._cache import hash_stream, short_hash
+from dufu.cache import hash_stream, short_hash
 
 BUILTIN = "builtin"
 SUFFIXES = (".txt", ".jsonl") + hf_datasets.SUFFIXES

@@ -23,7 +23,7 @@ import numpy as np
 
 from dufu.errors import DataError
 
-from . import _cache
+from dufu import cache as _cache
 from .blend import BlendedDataset, ValidationSets, dataset_names, parse_blend
 from .corpus import BUILTIN, Input, input_fingerprint, resolve_sources
 from .indexed_dataset import IndexedDataset, dataset_exists
@@ -106,7 +106,7 @@ def build_lm_datasets(
     such files, a list), which is preprocessed once into ``<cache>/datasets/<hash>/``
     and reused afterwards. The hash covers the input files (path, size, mtime), the
     tokenizer and ``json_key`` (the text field of .jsonl lines and of ``datasets``
-    rows); see :mod:`dufu.data._cache` for the cache location.
+    rows); see :mod:`dufu.cache` for the cache location.
 
     ``data_path`` may also be a weighted blend of such paths, ``[0.7, "web", 0.3, "code"]``,
     ``{"web": 0.7, "code": 0.3}`` or ``"0.7 web 0.3 code"`` (:mod:`dufu.data.blend`): every

@@ -44,7 +44,7 @@ memory-mapped index arrays checks them (~20 bytes a sequence); ``doc_offsets`` t
 
 **The largest id of a Megatron file** is not stored: :attr:`IndexedDataset.max_token_id` finds it on first use
 by one chunked pass over the ``.bin`` (disk-bound; ~1 s per GB from the page cache; it also rejects negative and
-fractional ids) and keeps it in ``<cache>/token_ids/<hash>.json`` (:mod:`dufu.data._cache`; key: both files'
+fractional ids) and keeps it in ``<cache>/token_ids/<hash>.json`` (:mod:`dufu.cache`; key: both files'
 path, size, mtime; one process builds it). dufu's writer stores it there itself: its output is never scanned.
 Every check raises :class:`~dufu.errors.DataError` naming the file and the problem.
 
@@ -66,8 +66,8 @@ import numpy as np
 
 from dufu.errors import DataError
 
-from . import _cache
-from ._cache import temp_path
+from dufu import cache as _cache
+from dufu.cache import temp_path
 
 FORMATS = ("dufu", "megatron")
 

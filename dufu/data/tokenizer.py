@@ -8,7 +8,7 @@ Three kinds, chosen by :func:`build_tokenizer`:
 * ``"bpe"`` -- a byte-level BPE trained on a corpus (default: the built-in one)
   to ``vocab_size`` tokens including ``<|endoftext|>``. Training is
   deterministic and its result is cached at
-  ``<cache>/tokenizers/bpe-<hash>.json`` (see :mod:`dufu.data._cache`), the hash
+  ``<cache>/tokenizers/bpe-<hash>.json`` (see :mod:`dufu.cache`), the hash
   covering the corpus content, ``vocab_size`` and the library versions.
 * ``"pretrained"`` -- a ``tokenizer.json`` file, or a Hugging Face tokenizer
   directory containing one.
@@ -35,7 +35,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from dufu.errors import DataError
 
-from . import _cache
+from dufu import cache as _cache
 from .corpus import BUILTIN, Input, content_fingerprint, read_documents
 
 EOD_TOKEN = "<|endoftext|>"

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from dufu.delta.lora import (LoraFactor, LoraMagnitude, add_lora, can_carry_lora, init_dora_magnitudes,
@@ -36,6 +37,7 @@ from dufu.delta.lora import (LoraFactor, LoraMagnitude, add_lora, can_carry_lora
 from dufu.delta.spec import DeltaInfo
 from dufu.errors import DataError, DufuError
 from dufu.layers.linear import Linear
+from dufu.models.base import contract_of
 from dufu.models.hf_adapter import HFMapping
 from dufu.models.hub import adapter_for_model, write_hf_model
 
@@ -93,7 +95,7 @@ def sites(model: nn.Module) -> dict[str, Site]:
 
 def _normal(model: nn.Module, hf: str) -> str:
     """A transformers name as the family's table spells it (``bert.`` prefix stripped: any head, or none)."""
-    for pattern, repl in getattr(adapter_for_model(model), "load_renames", ()):
+    for pattern, repl in adapter_for_model(model).load_renames:
         hf = re.sub(pattern, repl, hf)
     return hf
 
@@ -108,8 +110,6 @@ def read_adapter(path: str | Path) -> tuple[dict, dict[str, torch.Tensor]]:
     if not (path / ADAPTER_WEIGHTS).is_file():
         raise DataError(f"{path} holds no {ADAPTER_WEIGHTS} (an adapter_model.bin of an old PEFT: load it in PEFT "
                         "and save it again).")
-    from safetensors.torch import load_file
-
     return json.loads((path / ADAPTER_CONFIG).read_text()), load_file(str(path / ADAPTER_WEIGHTS))
 
 
@@ -304,7 +304,8 @@ def _modules_to_save(model: nn.Module, sd: dict) -> tuple[list[str], dict]:
     """The non-LoRA parameters that train, as PEFT's modules_to_save (whole transformers modules) and their
     tensors; a part of a module (BitFit's biases) has no place in the format."""
     ad = adapter_for_model(model)
-    names = {n for n in getattr(getattr(model, "delta_info", None), "trainable", ()) if not n.endswith(_LORA_PARAMS)}
+    info = contract_of(model).delta_info  # None: LoRA layers added by hand, so nothing else trains
+    names = {n for n in (info.trainable if info is not None else ()) if not n.endswith(_LORA_PARAMS)}
     tensors = {}
     for n in sorted({n.rsplit(".", 1)[0] for n in names}):
         params = {f"{n}.{p}" for p, _ in model.get_submodule(n).named_parameters()}
@@ -414,7 +415,7 @@ def merged_state_dict(model: nn.Module, state_dict: Optional[dict] = None) -> di
     model, for transformers alone."""
     check_lora_only(model)
     sd = dict(state_dict if state_dict is not None else model.state_dict())
-    tied = getattr(model, "tied_parameter_names", {})
+    tied = contract_of(model).tied_parameter_names
     for name, layer in lora_layers(model).items():
         a, b = sd.pop(f"{name}.lora_A.weight"), sd.pop(f"{name}.lora_B.weight")
         magnitude = sd.pop(f"{name}{_MAGNITUDE}.weight", None)
@@ -435,12 +436,10 @@ def save_adapter(model: nn.Module, path: str | Path, state_dict: Optional[dict] 
     """Write ``model``'s LoRA as a PEFT adapter directory. ``base``: the Hugging Face directory (or hub name)
     of the base model, written as ``base_model_name_or_path``; default: the directory the model was loaded
     from (``pretrained_path``) if it is one, else the base is written beside the adapter (``path/base``)."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     config, tensors = adapter_files(model, state_dict)
     if base is None:
-        base = getattr(model, "pretrained_path", None)
+        base = contract_of(model).pretrained_path
         if base is None or not (Path(base) / "config.json").is_file():
             base = write_hf_model(model, path / "base", base_state_dict(model, state_dict))
     config["base_model_name_or_path"] = str(Path(base).resolve()) if Path(base).exists() else str(base)

@@ -26,8 +26,13 @@ from typing import Iterable, Optional, Sequence, Union
 
 from torch import nn
 
-from dufu.delta.lora import add_lora, can_carry_lora
+from dufu.delta.adapters import add_adapter
+from dufu.delta.lora import add_lora, can_carry_lora, init_dora_magnitudes
+from dufu.delta.prefix import add_prefix
+from dufu.delta.prompt import add_prompt
 from dufu.errors import ConfigError
+from dufu.layers.attention import Attention
+from dufu.models.base import contract_of
 
 Patterns = Union[str, Sequence[str], None]
 
@@ -76,7 +81,7 @@ class LoRA:
             raise ConfigError(f"delta LoRA rank = {self.rank!r}: use a positive integer (typical: 4 to 64)")
         if not 0.0 <= float(self.dropout) < 1.0:
             raise ConfigError(f"delta LoRA dropout = {self.dropout!r}: use a probability in [0, 1)")
-        head = getattr(model, "lm_head", None)
+        head = contract_of(model).output_head()
         chosen = [(n, m) for n, m in model.named_modules()
                   if n and matches(n, self.targets) and not matches(n, self.exclude)]
         if not chosen:
@@ -86,7 +91,7 @@ class LoRA:
             if not can_carry_lora(m):
                 raise ConfigError(f"delta LoRA target {n!r} is a {type(m).__name__}; LoRA applies to linear layers. "
                                   "Narrow delta.targets (e.g. to the attention projections).")
-            if m is head and getattr(model, "fused_loss", False):
+            if m is head and contract_of(model).fused_loss:
                 raise ConfigError("delta LoRA on the output head does not combine with model.fused_loss=True (the "
                                   "fused loss reads the head's weight directly); set model.fused_loss=False.")
             try:
@@ -118,11 +123,9 @@ class Adapter:
     PLACEMENTS = {"houlsby": ("attn", "attention", "self_attn", "mlp"), "pfeiffer": ("mlp",)}
 
     def apply(self, model: nn.Module) -> list[str]:
-        from dufu.delta.adapters import add_adapter
-
         if self.placement not in self.PLACEMENTS:
             raise ConfigError(f"delta Adapter placement {self.placement!r}: use 'houlsby' or 'pfeiffer'")
-        hidden = self.hidden_size or getattr(model, "hidden_size", None)
+        hidden = self.hidden_size or contract_of(model).hidden_size
         if not isinstance(hidden, int):
             raise ConfigError("delta Adapter: the model has no hidden_size attribute; set delta hidden_size=...")
         size = self.bottleneck or max(1, hidden // self.reduction_factor)
@@ -154,9 +157,6 @@ class PrefixTuning:
     freezes_base: bool = field(default=True, init=False)
 
     def apply(self, model: nn.Module) -> list[str]:
-        from dufu.delta.prefix import add_prefix
-        from dufu.layers.attention import Attention
-
         if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens < 1:
             raise ConfigError(f"delta PrefixTuning num_virtual_tokens = {self.num_virtual_tokens!r}: use a positive "
                               "integer (typical: 8 to 64)")
@@ -183,19 +183,16 @@ class PromptTuning:
     freezes_base: bool = field(default=True, init=False)
 
     def apply(self, model: nn.Module) -> list[str]:
-        from dufu.delta.prompt import add_prompt
-        from dufu.layers.attention import Attention
-
         if not isinstance(self.num_virtual_tokens, int) or self.num_virtual_tokens < 1:
             raise ConfigError(f"delta PromptTuning num_virtual_tokens = {self.num_virtual_tokens!r}: use a positive "
                               "integer (typical: 8 to 100)")
-        blocks = _blocks(model) if getattr(model, "pipeline_layout", None) is not None else []
+        blocks = _blocks(model) if contract_of(model).pipeline_layout is not None else []
         containers = {n.rsplit(".", 1)[0] for n, _ in blocks}
         causal = blocks and all(m.causal for _, b in blocks for m in b.modules() if isinstance(m, Attention))
         if not blocks or len(containers) != 1 or not causal:
             raise ConfigError(f"delta PromptTuning applies to decoder-only models (GPT, LLaMA families); "
                               f"{type(model).__name__} is not one. Use PrefixTuning, LoRA or adapters for it.")
-        hidden = getattr(model, "hidden_size", None)
+        hidden = contract_of(model).hidden_size
         (first, first_block), (_, last_block) = blocks[0], blocks[-1]
         add_prompt(first_block, last_block, self.num_virtual_tokens, hidden)
         first_block.delta_prompt.std = float(self.init_std)
@@ -205,7 +202,7 @@ class PromptTuning:
 def _blocks(model: nn.Module):
     """The transformer blocks in order (the ``pipeline_layout`` every family declares: one block container, or an
     encoder's then a decoder's): their sublayers are where adapters go by default."""
-    layout = getattr(model, "pipeline_layout", None)
+    layout = contract_of(model).pipeline_layout
     if layout is None:  # a model without a block layout: every module counts
         return list(model.named_modules())
     containers = [layout["blocks"]] if isinstance(layout["blocks"], str) else list(layout["blocks"])
@@ -310,8 +307,6 @@ def apply_delta(model: nn.Module, delta) -> Optional[DeltaInfo]:
     info = DeltaInfo([type(s).__name__ for s in specs], trainable, trainable_count, total, added)
     model.delta_info = info
     if any(p.device.type != "meta" for p in model.parameters()):  # a model with values: DoRA's magnitudes now
-        from dufu.delta.lora import init_dora_magnitudes
-
         init_dora_magnitudes([model])
     return info
 

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.state_dict import (
 from dufu.errors import CheckpointError
 
 from dufu.engine.checkpoint_safe import SafeFileSystemReader, SafeLoadPlanner  # noqa: F401
+from dufu.models.base import contract_of
 
 
 _STEP_DIR = re.compile(r"^step_(\d+)$")
@@ -324,7 +325,7 @@ class Checkpointer:
         parallelism, where the optimizer state of the shared embedding/head tensor is keyed by ``wte.weight``."""
         aliases: dict[str, str] = {}
         for part in parts:
-            for a, b in getattr(part, "tied_parameter_names", {}).items():
+            for a, b in contract_of(part).tied_parameter_names.items():
                 aliases[a], aliases[b] = b, a
         if not aliases:
             return []

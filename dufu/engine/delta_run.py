@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from dufu.errors import CheckpointError
+from dufu.models.base import contract_of
 
 
 def is_delta_checkpoint(ckpt: Path) -> bool:
@@ -34,7 +35,7 @@ def load_delta_run(ckpt: Path) -> nn.Module:
     seed = int(cfg.train.seed)
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    base = getattr(model, "pretrained_path", None)
+    base = contract_of(model).pretrained_path
     if base_fingerprint(base, seed, cfg.model)["fingerprint"] != saved.get("fingerprint"):
         raise CheckpointError(f"{ckpt} holds a delta trained on {saved.get('base') or 'a seeded initialisation'}, "
                               f"but that base has changed since (its fingerprint differs); the delta cannot be "

@@ -7,7 +7,7 @@ micro-batch becomes
     (1 - kd_weight) * CE(student, labels) + kd_weight * T^2 * KL(softmax(teacher / T) || softmax(student / T))
 
 both averaged over the same targets (labels other than -100), so the trainer's weighting of micro-batches and
-data-parallel ranks (:meth:`dufu.engine.trainer.Trainer.target_weight`) holds for it unchanged. ``T^2`` keeps the
+data-parallel ranks (:meth:`dufu.engine.global_loss.GlobalBatchLoss.weight`) holds for it unchanged. ``T^2`` keeps the
 soft term's gradients at the hard term's scale as T changes (Hinton et al., section 2). ``kd_weight=0`` is plain
 training; evaluation reports the student's own cross entropy, as a run without a teacher does.
 
@@ -34,7 +34,12 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from dufu.errors import ConfigError
+from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.pretrained import pretrained_model, pretrained_weights
 from dufu.layers.loss import cross_entropy_loss
+from dufu.parallel.build import build_model_parts
+from dufu.parallel.pipeline import layer_stage_ids
+from dufu.models.base import contract_of
 
 
 @dataclass
@@ -95,7 +100,7 @@ def check_teacher(spec: Distillation, student) -> None:
 
     with torch.device("meta"):
         teacher = pretrained_model(spec.teacher)
-    theirs, ours = getattr(teacher, "vocab_size", None), getattr(student, "vocab_size", None)
+    theirs, ours = contract_of(teacher).vocab_size, contract_of(student).vocab_size
     if theirs != ours:
         raise ConfigError(f"the teacher {spec.teacher} has a vocabulary of {theirs} tokens, the student {ours}: "
                           "distillation compares their distributions token by token, so both need the same "
@@ -106,32 +111,26 @@ class Teacher:
     """The teacher's model, split like the student's, and the distillation loss of a micro-batch (its vocabulary
     was checked at start-up: :func:`check_teacher`)."""
 
-    def __init__(self, spec: Distillation, trainer):
-        from dufu.engine.checkpoint import Checkpointer
-        from dufu.engine.preflight import pretrained_weights
-        from dufu.engine.pretrained import pretrained_model
-        from dufu.parallel.build import build_model_parts
+    def __init__(self, spec: Distillation, runtime):
 
         self.spec = spec
-        t, zero = trainer.cfg.train, trainer.cfg.train.zero_optimization
+        t, zero = runtime.cfg.train, runtime.cfg.train.zero_optimization
         with torch.device("meta"):
             model = pretrained_model(spec.teacher)
         model.requires_grad_(False)
         weights = pretrained_weights(model, None)
         stage_ids = None
-        if trainer.schedule is not None:  # one teacher stage per pipeline rank, run by a forward-only schedule
-            from dufu.parallel.pipeline import layer_stage_ids
-
-            stage_ids = layer_stage_ids(model.num_layers, trainer.dims.pipeline_parallel_size)
+        if runtime.schedule is not None:  # one teacher stage per pipeline rank, run by a forward-only schedule
+            stage_ids = layer_stage_ids(model.num_layers, runtime.dims.pipeline_parallel_size)
         parts = build_model_parts(
-            model, trainer.mesh, trainer.device, stage_ids=stage_ids, meta_init=True, seed=t.seed,
-            pipeline_schedule="1f1b", num_microbatches=trainer.num_accumulation_steps,
+            model, runtime.mesh, runtime.device, stage_ids=stage_ids, meta_init=True, seed=t.seed,
+            pipeline_schedule="1f1b", num_microbatches=runtime.num_accumulation_steps,
             pretrained=weights.source, init_parameters=False,
-            tensor_parallel=trainer.dims.tp_enabled, sequence_parallel=bool(t.dist.get("sequence_parallel")),
-            data_parallel=bool(zero.enabled) and trainer.dims.dp_enabled,
+            tensor_parallel=runtime.dims.tp_enabled, sequence_parallel=bool(t.dist.sequence_parallel),
+            data_parallel=bool(zero.enabled) and runtime.dims.dp_enabled,
             zero_stage=3 if zero.enabled else None, activation_checkpoint=None, compile=False)
         if weights.checkpoint is not None:
-            Checkpointer(weights.checkpoint.parent, rank=trainer.rank).load_model(weights.checkpoint, parts.modules)
+            Checkpointer(weights.checkpoint.parent, rank=runtime.rank).load_model(weights.checkpoint, parts.modules)
         for part in parts.modules:
             part.eval()
         self.model, self.schedule, self.last = parts.modules[0], parts.schedule, parts.last

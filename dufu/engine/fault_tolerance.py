@@ -42,8 +42,8 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from dufu.data import ResumableBatchSampler
 from dufu.engine.fault_tolerance_state import TrainingState
+from dufu.engine.hooks import Hook, RetryStep
 from dufu.errors import ConfigError, DistributedFailure
 
 MODES = ("replicate", "diloco", "local_sgd")
@@ -51,18 +51,19 @@ RECORDS = "fault_tolerance.jsonl"
 DEFAULT_PORT = 29510  # dufu lighthouse's default port
 
 
-class NotCommitted(Exception):
+class NotCommitted(RetryStep):
     """A step some group did not finish (it died, or a collective failed): no group applies it."""
 
 
 def settings(cfg):
     """``train.fault_tolerance`` when it is enabled, else None."""
-    ft = cfg.train.get("fault_tolerance")
-    return ft if ft is not None and ft.get("enabled", False) else None
+    ft = cfg.train.fault_tolerance
+    return ft if ft.enabled else None
 
 
-def lighthouse_address(ft) -> str:
-    address = ft.get("lighthouse") or os.environ.get("TORCHFT_LIGHTHOUSE")
+def lighthouse_address(lighthouse: str | None) -> str:
+    """``train.fault_tolerance.lighthouse``, else ``$TORCHFT_LIGHTHOUSE``, as a URL."""
+    address = lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")
     if not address:
         raise ConfigError(
             "train.fault_tolerance.enabled=True needs the Lighthouse's address: set "
@@ -78,7 +79,7 @@ def check_config(cfg, dims) -> None:
     if ft is None:
         return
     t = cfg.train
-    mode, size, gid = ft.get("mode", "replicate"), ft.get("replica_parallel_size"), ft.get("replica_group_id")
+    mode, size, gid = ft.mode, ft.replica_parallel_size, ft.replica_group_id
     if mode not in MODES:
         raise ConfigError(f"train.fault_tolerance.mode={mode!r}: use one of {', '.join(map(repr, MODES))}.")
     if not isinstance(size, int) or size < 1:
@@ -87,7 +88,7 @@ def check_config(cfg, dims) -> None:
     if not isinstance(gid, int) or not 0 <= gid < size:
         raise ConfigError(f"train.fault_tolerance.replica_group_id={gid!r} is outside [0, {size}) for "
                           f"replica_parallel_size={size}: give each group (job) its own id 0 .. {size - 1}.")
-    min_size = ft.get("min_replica_size", 1)
+    min_size = ft.min_replica_size
     if not isinstance(min_size, int) or not 1 <= min_size <= size:
         raise ConfigError(f"train.fault_tolerance.min_replica_size={min_size!r}: the fewest live groups that may "
                           f"still take a step, between 1 and replica_parallel_size={size} (1: train on while "
@@ -99,23 +100,23 @@ def check_config(cfg, dims) -> None:
             "rank. Set train.dist.pipeline_parallel_size=1 (data, tensor or ZeRO parallelism inside a group), or "
             "train.fault_tolerance.enabled=False.")
     if mode != "replicate":
-        every = ft.get("sync_every")
+        every = ft.sync_every
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise ConfigError(f"train.fault_tolerance.sync_every={every!r}: the number of local steps between two "
                               f"synchronisations of mode {mode!r}, an integer of 1 or more (e.g. 100).")
         # A skipped optimizer step would shift this group's synchronisations against the others' (a deadlock).
-        if t.get("nan_policy", "stop") == "skip" or str(t.amp.get("enabled")).lower() == "fp16" or (
-                t.amp.get("enabled") is True and t.amp.get("dtype") == "fp16"):
+        if t.nan_policy == "skip" or str(t.amp.enabled).lower() == "fp16" or (
+                t.amp.enabled is True and t.amp.dtype == "fp16"):
             raise ConfigError(
                 f"train.fault_tolerance.mode={mode!r} counts optimizer steps to meet the other groups, and "
                 "nan_policy='skip' or fp16 loss scaling skip steps on one group only. Use train.nan_policy='stop' "
                 "and bf16 or fp32 (train.amp.dtype='bf16'), or mode='replicate'.")
     if mode == "diloco":
-        outer = ft.get("outer_optimizer") or {}
+        outer = ft.outer_optimizer
         if not outer.get("lr", 0) > 0 or not 0 <= outer.get("momentum", 0) < 1:
             raise ConfigError(f"train.fault_tolerance.outer_optimizer={dict(outer)!r}: DiLoCo's outer Nesterov SGD "
                               "needs lr > 0 and 0 <= momentum < 1 (the paper's: lr=0.7, momentum=0.9).")
-    check_lighthouse(lighthouse_address(ft), float(ft.get("connect_timeout_seconds", 10.0)))
+    check_lighthouse(lighthouse_address(ft.lighthouse), float(ft.connect_timeout_seconds))
 
 
 def check_lighthouse(address: str, timeout: float) -> None:
@@ -135,17 +136,20 @@ def check_lighthouse(address: str, timeout: float) -> None:
             "train.fault_tolerance.lighthouse at the one that runs.") from None
 
 
-def install(trainer) -> None:
-    """Make ``trainer`` one replica group of a fault-tolerant job (a no-op unless ``train.fault_tolerance`` is
-    enabled): wraps its ``train_step`` (quorum, a step some group did not finish taken again, records) and, in
-    mode ``replicate``, its ``forward_backward`` (the gradients averaged across groups, ``should_commit``)."""
+def replica_groups(trainer):
+    """This job's :class:`ReplicaGroups` hook when ``train.fault_tolerance`` is enabled, else None."""
     ft = settings(trainer.cfg)
-    if ft is not None:
-        trainer.replica_groups = ReplicaGroups(trainer, **{k: v for k, v in ft.items() if k != "enabled"})
+    if ft is None:
+        return None
+    return ReplicaGroups(trainer, **{k: v for k, v in ft.items() if k != "enabled"})
 
 
-class ReplicaGroups:
-    """This job's side of the replica groups (see the module docstring). Keyword arguments: ``train.fault_tolerance``."""
+class ReplicaGroups(Hook):
+    """This job's side of the replica groups (see the module docstring), a hook of the training loop: the quorum
+    at step start (a healed group continues from its peer's step and sample position), in mode ``replicate`` the
+    gradients averaged over the live groups after the backward and a step some group did not finish taken again
+    (:class:`~dufu.engine.hooks.RetryStep`), a record after every step. Keyword arguments: ``train.fault_tolerance``
+    (the sampler's share of the groups' global batch is the runtime's: ``Runtime.data_rank``)."""
 
     def __init__(self, trainer, lighthouse=None, replica_group_id=0, replica_parallel_size=1, min_replica_size=1,
                  mode="replicate", sync_every=100, outer_optimizer=None, timeout_seconds=60.0,
@@ -162,7 +166,7 @@ class ReplicaGroups:
         self.outer = dict(outer_optimizer or {"lr": 0.7, "momentum": 0.9, "nesterov": True})
         self.bytes_sent, self.healed_at, self.algorithm = 0, None, None
         self.records = Path(trainer.output_dir) / RECORDS if trainer.is_main else None
-        self._spread_data(trainer)
+        self.retries = 0
         store_host, store_port = self._group_store()
         timeout = timedelta(seconds=float(timeout_seconds))
         # torchft's process group across groups: NCCL in a child process on GPUs, gloo on CPUs.
@@ -175,7 +179,7 @@ class ReplicaGroups:
             use_async_quorum=False, timeout=timeout, quorum_timeout=timedelta(seconds=float(quorum_timeout_seconds)),
             connect_timeout=timedelta(seconds=float(connect_timeout_seconds)),
             rank=trainer.rank, world_size=trainer.world_size, store_addr=store_host, store_port=store_port,
-            lighthouse_addr=lighthouse_address({"lighthouse": lighthouse}),
+            lighthouse_addr=lighthouse_address(lighthouse),
             # the trailing digits are the group's number in torchft's rank arithmetic
             replica_id=f"dufu_replica_group_{self.group_id}",
             # Every group initialises the same weights from train.seed: nothing to copy at step 0.
@@ -183,23 +187,9 @@ class ReplicaGroups:
         self.state = TrainingState(trainer, self)
         self.manager.register_state_dict_fn("dufu", self.state.load, self.state.save)
         self._count_bytes()
-        self.train_step, self.forward_backward = trainer.train_step, trainer.forward_backward
-        trainer.train_step = self._train_step
-        if mode == "replicate":
-            trainer.forward_backward = self._forward_backward
-        trainer.notices.append(self.describe())
+        trainer.runtime.notices.append(self.describe())
 
     # ------------------------------------------------------------ wiring
-    def _spread_data(self, trainer) -> None:
-        """Each group reads its own part of every global batch; dropout masks differ across groups too."""
-        dp, old = trainer.dims.data_parallel_size, trainer.sampler
-        self.global_dp_rank = self.group_id * dp + trainer.dp_rank
-        trainer.sampler = ResumableBatchSampler(
-            old.num_samples, old.global_batch_size * self.num_groups, old.micro_batch_size,
-            data_parallel_rank=self.global_dp_rank, data_parallel_size=dp * self.num_groups, seed=old.seed,
-            shuffle=old.shuffle)
-        torch.manual_seed(trainer.cfg.train.seed + 1_000_003 * self.global_dp_rank)
-
     def _group_store(self) -> tuple[str, int]:
         """A TCPStore of this group for its Manager, new in every attempt (a restarted torchrun's store still holds
         the dead attempt's Manager address): hosted by the group's rank 0, its address shared over gloo."""
@@ -211,7 +201,7 @@ class ReplicaGroups:
             # the name other groups reach it by, as torchft's Manager advertises its own address
             where = [(socket.gethostname(), self.store.port)]
         if trainer.world_size > 1:
-            dist.broadcast_object_list(where, src=0, group=trainer.health_group)
+            dist.broadcast_object_list(where, src=0, group=trainer.runtime.health_group)
         return where[0]
 
     def _count_bytes(self) -> None:
@@ -233,37 +223,50 @@ class ReplicaGroups:
         t = self.trainer
         if self.mode == "diloco":
             outer = torch.optim.SGD(t.model.parameters(), lr=self.outer["lr"], momentum=self.outer["momentum"],
-                                    nesterov=self.outer.get("nesterov", True))
+                                    nesterov=self.outer["nesterov"])
             self.algorithm = DiLoCo(self.manager, [t.model], t.optimizers[0], outer, sync_every=self.sync_every,
                                     backup_device=torch.device("cpu"), pin_memory=t.device.type == "cuda")
         else:
             self.algorithm = LocalSGD(self.manager, t.model, t.optimizers[0], sync_every=self.sync_every)
         self.algorithm.__enter__()
 
-    # ------------------------------------------------------------ the step
-    def _train_step(self, micro_batches):
-        t = self.trainer
-        if self.manager.current_step() == 0 and t.step > 0:  # resumed: the Manager's count continues the trainer's
-            syncs = t.step if self.mode == "replicate" else t.step // self.sync_every
+    # ------------------------------------------------------------ the step (hook points)
+    def on_step_start(self, trainer) -> None:
+        if self.manager.current_step() == 0 and trainer.step > 0:  # resumed: the Manager's count continues ours
+            syncs = trainer.step if self.mode == "replicate" else trainer.step // self.sync_every
             self.manager.load_state_dict({"step": syncs, "batches_committed": 0})
         if self.mode != "replicate":
             if self.algorithm is None:
                 self._start_algorithm()
-            return self._finish(self.train_step(micro_batches), retries=0)
-        for retries in range(1000):
-            self._start_quorum()
-            if self.state.loaded:
-                # The peer's sampler was past this step's draw: draw this group's part of the same global batch.
-                t.sampler.consumed_samples -= t.sampler.global_batch_size
-                micro_batches = t.sampler.next_step()
-                self.state.loaded = False
-            try:
-                return self._finish(self.train_step(micro_batches), retries)
-            except NotCommitted:  # thrown before the optimizer and scheduler step: take the step again
-                for opt in t.optimizers:
-                    opt.zero_grad(set_to_none=True)
-                self._record(committed=False)
-        raise DistributedFailure(f"replica group {self.group_id}: step {t.step + 1} was not committed 1000 times")
+            return
+        # A group that heals here takes its peer's step and sample position before the loop draws the batch.
+        self._start_quorum()
+
+    def after_backward(self, trainer, local_loss):
+        """This group's gradients (reduced inside the group), then averaged over the live groups: one flat buffer
+        per dtype, one all-reduce each; then every group agrees whether the step counts."""
+        if self.mode != "replicate":
+            return None
+        grads = [p.grad for part in trainer.model_parts for p in part.parameters() if p.grad is not None]
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        for dtype in sorted({g.dtype for g in local}, key=str):
+            same = [g for g in local if g.dtype == dtype]
+            flat = torch.cat([g.reshape(-1) for g in same])  # (sum of numels,)
+            self.manager.allreduce(flat).wait()
+            for g, avg in zip(same, flat.split([g.numel() for g in same])):
+                g.copy_(avg.view_as(g))
+        if not self.manager.should_commit():
+            raise NotCommitted(f"replica group {self.group_id}: step {trainer.step + 1} was not committed by every "
+                               "live group; taking it again")
+        return None
+
+    def on_step_retry(self, trainer, error) -> None:
+        self.retries += 1
+        self._record(committed=False)
+
+    def after_optimizer(self, trainer, loss: float, grad_norm: float) -> None:
+        self._record(committed=True, retries=self.retries)
+        self.retries = 0
 
     def _start_quorum(self) -> None:
         try:
@@ -273,26 +276,6 @@ class ReplicaGroups:
                 f"replica group {self.group_id}, rank {self.trainer.rank}: no quorum of replica groups at step "
                 f"{self.trainer.step + 1} ({type(e).__name__}: {e}). Is the Lighthouse still running, and are at least "
                 "min_replica_size groups alive?") from None
-
-    def _forward_backward(self, micro_batches):
-        """This group's gradients (reduced inside the group), then averaged over the live groups: one flat buffer
-        per dtype, one all-reduce each; then every group agrees whether the step counts."""
-        loss = self.forward_backward(micro_batches)
-        grads = [p.grad for part in self.trainer.model_parts for p in part.parameters() if p.grad is not None]
-        local = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        for dtype in sorted({g.dtype for g in local}, key=str):
-            same = [g for g in local if g.dtype == dtype]
-            flat = torch.cat([g.reshape(-1) for g in same])  # (sum of numels,)
-            self.manager.allreduce(flat).wait()
-            for g, avg in zip(same, flat.split([g.numel() for g in same])):
-                g.copy_(avg.view_as(g))
-        if not self.manager.should_commit():
-            raise NotCommitted()
-        return loss
-
-    def _finish(self, out, retries: int):
-        self._record(committed=True, retries=retries)
-        return out
 
     def _record(self, committed: bool, retries: int = 0) -> None:
         """One line of fault_tolerance.jsonl (rank 0 of the group)."""

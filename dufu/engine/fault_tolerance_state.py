@@ -26,11 +26,12 @@ def _local(value):
 
 
 class TrainingState:
-    """``save()`` and ``load(state)`` for ``Manager.register_state_dict_fn``. After a load, ``loaded`` is True and
-    the replica groups' ``healed_at`` holds the step this group jumped from."""
+    """``save()`` and ``load(state)`` for ``Manager.register_state_dict_fn``. Both run in the quorum at a step's
+    start, before the loop draws that step's samples, so the sample position saved and loaded is the step's own.
+    After a load the replica groups' ``healed_at`` holds the step this group jumped from."""
 
     def __init__(self, trainer, groups):
-        self.trainer, self.groups, self.loaded = trainer, groups, False
+        self.trainer, self.groups = trainer, groups
 
     def save(self) -> dict:
         t = self.trainer
@@ -53,14 +54,9 @@ class TrainingState:
             opt.load_state_dict(self._as_params(opt, saved))
         self.groups.healed_at = t.step
         t.step = int(state["step"])
-        for sched in t.schedulers:
-            sched.last_epoch = t.step
-            for group, base_lr, factor in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-                group["lr"] = base_lr * factor(sched.last_epoch)
-            sched._last_lr = [g["lr"] for g in sched.optimizer.param_groups]
+        t.set_schedule_step(t.step)
         t.sampler.consumed_samples = int(state["consumed_samples"])
         torch.set_rng_state(state["rng_cpu"])
-        self.loaded = True
 
     @staticmethod
     def _as_params(opt, saved: dict) -> dict:

@@ -18,8 +18,8 @@
 A rank of ``*`` means every rank. Faults fire only in the first attempt of an elastic job
 (``TORCHELASTIC_RESTART_COUNT`` unset or 0), so a restarted job runs clean.
 
-The trainer's faults come in through :func:`install`, which wraps one Trainer's methods: the training loop
-and its step carry no test code.
+The trainer's faults come in as a hook of its loop (:func:`training_faults`): the loop and its step carry no test
+code.
 """
 
 from __future__ import annotations
@@ -27,6 +27,10 @@ from __future__ import annotations
 import os
 import signal
 import time
+
+from dufu.engine.hooks import Hook
+
+TRAINING_FAULTS = ("exit", "kill", "kill_node", "hang", "nan", "term", "usr1", "slow")
 
 
 def _faults() -> list[tuple[str, str, int]]:
@@ -74,30 +78,27 @@ def in_save(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-def install(trainer) -> None:
-    """Make ``trainer`` fire the training faults ``DUFU_FAULT`` names: ``exit``, ``kill``, ``hang``, ``slow``,
-    ``term`` and ``usr1`` as a step starts,
-    ``nan`` after the step's backward (the first gradient and the loss become NaN on that rank only, after
-    any gradient reduction, as a local overflow would). Wraps this object's ``train_step`` and
-    ``forward_backward``; nothing happens without ``DUFU_FAULT``."""
-    if not any(kind in ("exit", "kill", "kill_node", "hang", "nan", "term", "usr1", "slow") for kind, _, _ in _faults()):
-        return
-    train_step, forward_backward = trainer.train_step, trainer.forward_backward
+class TrainingFaults(Hook):
+    """The training faults ``DUFU_FAULT`` names, as a hook of the loop: ``exit``, ``kill``, ``kill_node``, ``hang``,
+    ``slow``, ``term`` and ``usr1`` as a step starts; ``nan`` after the step's backward (the first gradient and the
+    loss become NaN on that rank only, after any gradient reduction, as a local overflow would)."""
 
-    def train_step_with_faults(micro_batches):
+    def on_step_start(self, trainer) -> None:
         at_step_start(trainer.step + 1)
-        return train_step(micro_batches)
 
-    def forward_backward_with_faults(micro_batches):
-        local_loss = forward_backward(micro_batches)
-        if should_fire("nan", trainer.step + 1):
-            for part in trainer.model_parts:
-                for p in part.parameters():
-                    if p.grad is not None:
-                        p.grad.fill_(float("nan"))
-                        break
-            local_loss = local_loss * float("nan")
-        return local_loss
+    def after_backward(self, trainer, local_loss):
+        if not should_fire("nan", trainer.step + 1):
+            return None
+        for part in trainer.model_parts:
+            for p in part.parameters():
+                if p.grad is not None:
+                    p.grad.fill_(float("nan"))
+                    break
+        return local_loss * float("nan")
 
-    trainer.train_step = train_step_with_faults
-    trainer.forward_backward = forward_backward_with_faults
+
+def training_faults():
+    """The :class:`TrainingFaults` hook when ``DUFU_FAULT`` names a training fault, else None."""
+    if not any(kind in TRAINING_FAULTS for kind, _, _ in _faults()):
+        return None
+    return TrainingFaults()

@@ -44,7 +44,7 @@ from torch import nn
 
 from dufu.layers.moe import MoE
 
-from dufu.data._cache import resolve_cache_dir
+from dufu.cache import resolve_cache_dir
 
 # Dense (no sparsity) peak TFLOP/s from vendor data sheets: (bf16/fp16, fp32 non-tensor-core).
 _GPU_PEAK_TFLOPS = {

@@ -1,6 +1,6 @@
-"""Text generation for causal language models and encoder-decoders: greedy decoding, sampling (temperature,
-top-k, top-p), CTRL's repetition penalty, beam search (:mod:`dufu.engine.generate_beam`) and stop strings,
-with a KV cache.
+"""Text generation for causal language models and encoder-decoders: :func:`generate` drives the model with a KV cache
+through greedy decoding, sampling (temperature, top-k, top-p) or beam search (:mod:`dufu.engine.generate_beam`),
+with CTRL's repetition penalty (the scores: :mod:`dufu.engine.generate_scores`) and stop strings.
 
 A causal model that accepts ``kv_cache=`` (dufu's GPT and LLaMA families) is run once over the prompt and
 then one token per step, attending to the keys and values cached from earlier positions
@@ -27,51 +27,12 @@ import inspect
 from typing import Callable, Optional, Sequence
 
 import torch
-import torch.nn.functional as F
 
+from dufu.engine.generate_beam import beam_search
+from dufu.engine.generate_scores import apply_repetition_penalty, sample_next
 from dufu.errors import ConfigError
 from dufu.layers import KVCache
-
-
-def sample_next(logits: torch.Tensor, temperature: float = 1.0, top_k: Optional[int] = None,
-                top_p: Optional[float] = None, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-    """Pick the next token ids (B,) from last-position logits (B, V). temperature 0 means greedy."""
-    logits = logits.float()
-    if temperature == 0:
-        return logits.argmax(dim=-1)
-    logits = logits / temperature
-    if top_k is not None and top_k > 0:
-        kth = torch.topk(logits, min(top_k, logits.size(-1)), dim=-1).values[:, -1:]  # (B, 1)
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p is not None and 0 < top_p < 1:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        # drop tokens once the mass *before* them exceeds top_p (always keep the first)
-        drop = (cum - sorted_logits.softmax(-1)) > top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    probs = logits.softmax(-1)
-    return torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-
-
-def apply_repetition_penalty(scores: torch.Tensor, ids: torch.Tensor, penalty: float,
-                             mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """CTRL's repetition penalty (Keskar et al. 2019, section 4.1), as transformers applies it: the score of
-    every token that occurs in ``ids`` (R, L) is divided by ``penalty`` when positive and multiplied by it when
-    negative, so a penalty > 1 makes repeats less likely. ``scores`` (R, V): logits (greedy, sampling) or
-    log-probabilities (beam search). With ``mask`` (R, L), padding (0) does not count as an occurrence.
-
-    Written here rather than taken from transformers' logits processor: dufu does not depend on transformers
-    at run time, and the padding of left-padded batches must not count (a row then penalizes what it would
-    penalize alone)."""
-    V = scores.shape[-1]
-    ids = ids.clamp(max=V)  # ids past the head's vocabulary cannot be generated: they go to the spare column
-    if mask is not None:
-        ids = ids.masked_fill(mask == 0, V)
-    padded = F.pad(scores, (0, 1))  # (R, V + 1): column V absorbs padding and out-of-vocabulary ids
-    seen = padded.gather(1, ids)  # (R, L): the score of each occurring token (repeats read the same value)
-    seen = torch.where(seen < 0, seen * penalty, seen / penalty)
-    return padded.scatter(1, ids, seen)[:, :V]
+from dufu.models.base import contract_of
 
 
 def reorder_kv_cache(cache: KVCache, model: torch.nn.Module, rows: torch.Tensor) -> None:
@@ -138,6 +99,7 @@ def _last_logits(out) -> torch.Tensor:
 
 def tensor_parallel_size(model) -> int:
     """Ranks along the "tensor" mesh axis that hold the model's DTensor parameters (1 if none)."""
+    # here, not at the top: ~0.6 s added to `import dufu.engine.generate`, which a model on one device never needs
     from torch.distributed.tensor import DTensor
 
     for p in model.parameters():
@@ -200,7 +162,7 @@ class _Seq2SeqSteps:
             if not hasattr(model, need):
                 raise ConfigError(f"{type(model).__name__} takes decoder_input_ids but has no `{need}`: generation "
                                   "needs model.encode(input_ids, attention_mask) and model.decoder_start_token_id.")
-        if getattr(model, "lm_head", True) is None:
+        if contract_of(model).output_head() is None:
             raise ConfigError(f"{type(model).__name__} has no language-model head, so it gives no next-token "
                               "scores; generate with T5ForConditionalGeneration.")
         self.model = model
@@ -292,8 +254,6 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
             ids = input_ids
             mask = attention_mask.to(torch.long) if attention_mask is not None else torch.ones_like(input_ids)
         if num_beams > 1:
-            from dufu.engine.generate_beam import beam_search
-
             return beam_search(steps, ids, mask, max_new_tokens, num_beams, eos_id=eos_id, fill=fill,
                                length_penalty=length_penalty, early_stopping=early_stopping,
                                repetition_penalty=repetition_penalty, stop=stop)

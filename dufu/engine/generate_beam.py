@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from dufu.engine.generate import apply_repetition_penalty
+from dufu.engine.generate_scores import apply_repetition_penalty
 
 # A finite "impossible" score for empty slots and excluded candidates: unlike -inf it stays comparable
 # (and free of NaN) through the sums and divisions of later steps.

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from dufu.engine.hooks import Hook
 from dufu.layers.moe import MoE
 from dufu.parallel.env import collective_device
 
@@ -30,14 +31,15 @@ def moe_layer_names(model) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, MoE)]
 
 
-class MoEMonitor:
-    """Built from the whole (meta) model, before it is split: the names of all its MoE layers, in order."""
+class MoEMonitor(Hook):
+    """Built from the whole (meta) model, before it is split: the names of all its MoE layers, in order. A hook of
+    the training loop (the auxiliary losses' scale before each forward-backward, the step's forwards kept after
+    the backward); the run log asks it for :meth:`record` and :meth:`plot`."""
 
-    def __init__(self, trainer, model):
-        self.trainer = trainer
+    def __init__(self, output_dir, model):
         self.names = moe_layer_names(model)
         self.num_experts = max((m.num_experts for m in model.modules() if isinstance(m, MoE)), default=0)
-        self.path = Path(trainer.output_dir) / "moe_tokens.jsonl"
+        self.path = Path(output_dir) / "moe_tokens.jsonl"
         self._started = False
         self.window = {}  # layer name -> [aux loss sum, token counts sum, forwards] since the last record
         layers = [m for m in model.modules() if isinstance(m, MoE)]
@@ -56,40 +58,41 @@ class MoEMonitor:
     def __bool__(self) -> bool:
         return bool(self.names)
 
-    def _layers(self) -> dict[str, MoE]:
-        return {n: m for part in self.trainer.model_parts for n, m in part.named_modules() if isinstance(m, MoE)}
+    @staticmethod
+    def _layers(model_parts) -> dict[str, MoE]:
+        return {n: m for part in model_parts for n, m in part.named_modules() if isinstance(m, MoE)}
 
-    def before_step(self) -> None:
-        tr = self.trainer
+    def before_forward_backward(self, tr, micro_batches) -> None:
+        rt = tr.runtime
         if not self._started:  # the first step of this process: the file reads as one run
             self._started = True
             if tr.is_main and self.path.exists():
                 kept = [line for line in self.path.read_text().splitlines()
-                        if line.strip() and tr.resume_from is not None and json.loads(line)["step"] <= tr.step]
+                        if line.strip() and rt.resume_from is not None and json.loads(line)["step"] <= tr.step]
                 self.path.write_text("".join(line + "\n" for line in kept))
         # A pipeline schedule divides every gradient by its number of micro-batches itself (torch's scale_grads).
-        micro_batches = 1 if tr.schedule is not None else tr.num_accumulation_steps
-        scale = (tr.scaler.scale if tr.scaler is not None else 1.0) / micro_batches
-        for m in self._layers().values():
+        num = 1 if rt.schedule is not None else rt.num_accumulation_steps
+        scale = (rt.scaler.scale if rt.scaler is not None else 1.0) / num
+        for m in self._layers(rt.model_parts).values():
             m.aux_loss_grad_scale = scale
 
-    def after_step(self) -> None:
+    def after_backward(self, tr, local_loss) -> None:
         """Add the step's forwards to the window: the last ones of each layer (see the module docstring)."""
-        for name, m in self._layers().items():
-            forwards = m.pop_stats()[-self.trainer.num_accumulation_steps:]
+        rt = tr.runtime
+        for name, m in self._layers(rt.model_parts).items():
+            forwards = m.pop_stats()[-rt.num_accumulation_steps:]
             if forwards:
                 w = self.window.setdefault(name, [0.0, 0, 0])
                 w[0] += float(sum(aux for aux, _ in forwards))
                 w[1] = w[1] + sum(counts for _, counts in forwards)
                 w[2] += len(forwards)
 
-    def record(self, step: int) -> dict:
+    def record(self, tr, step: int) -> dict:
         """The window's load-balance metrics (every rank calls this at once: one all-reduce); rank 0 also appends
-        the tokens per expert to ``moe_tokens.jsonl``."""
-        tr = self.trainer
+        the tokens per expert to ``moe_tokens.jsonl``. ``tr``: the runtime."""
         device = collective_device()
         table = torch.zeros(len(self.names), self.num_experts + 2, dtype=torch.float64, device=device)
-        counted = getattr(tr, "tp_rank", 0) == 0  # tensor-parallel peers hold the same numbers
+        counted = tr.tp_rank == 0  # tensor-parallel peers hold the same numbers
         window, self.window = self.window, {}
         for name, (aux, counts, forwards) in window.items():
             if not counted:

@@ -18,26 +18,18 @@ from torch import nn
 
 from dufu.config import instantiate
 from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.distill import check_teacher
 from dufu.engine.fault_tolerance import check_config as check_fault_tolerance
 from dufu.engine.lr_scheduler import fit_warmup_to_run
+from dufu.engine.schema import auto_layout_keys
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DufuError, LayoutError
-from dufu.engine.pretrained import check_pretrained, load_pretrained, pretrained_source
+from dufu.engine.pretrained import Pretrained, load_pretrained, pretrained_weights
 from dufu.parallel.checks import validate_layout
 from dufu.parallel.expert_parallel import selective_checkpoint_notice
 from dufu.parallel.materialize import materialize_, supports_meta_init
 from dufu.parallel.parallel_dims import ParallelDims
-
-
-@dataclass
-class Pretrained:
-    """Where ``model.pretrained`` weights come in. ``source``: a Hugging Face directory, read into each part as
-    it is materialized. ``checkpoint``: a dufu run, which all ranks read together through DCP once the parts
-    exist. Both None: no pretrained weights, or a resumed run (its checkpoint replaces every weight)."""
-
-    path: Optional[str] = None
-    source: Optional[Callable] = None
-    checkpoint: Optional[Path] = None
+from dufu.models.base import contract_of
 
 
 @dataclass
@@ -63,7 +55,7 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     must exist), or "auto" (the latest if there is one: elastic restarts). Layout values left ``auto`` must
     have been resolved by the planner first (:func:`dufu.plan.auto.resolve_auto_layout`; ``dufu train`` does)."""
     refuse_auto(cfg)
-    validate_config(cfg)
+    validate_config(cfg)  # the typed train schema (defaults filled in), then the ranges
     t = cfg.train
     dims = ParallelDims.from_config(t.dist, world_size)
     batch_sizes = resolve_batch_sizes(t.train_micro_batch_size, t.global_batch_size, t.num_accumulation_steps,
@@ -82,7 +74,7 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
         model = build_model(cfg, tokenizer, seq_length)
     stage_ids = validate_layout(dims, model, t.dist, t.zero_optimization, seq_length, batch_sizes[2])
     check_fault_tolerance(cfg, dims)  # train.fault_tolerance: supported combinations, a Lighthouse that answers
-    if stage_ids is not None and getattr(type(model), "pipeline_loss", None) is None:
+    if stage_ids is not None and type(model).pipeline_loss is None:
         raise LayoutError(
             f"{type(model).__name__} defines no `pipeline_loss`, the loss a pipeline's last stage computes from "
             "its output and the labels. Use a model with a task head (e.g. a *ForMaskedLM or *ForSequence"
@@ -91,12 +83,10 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     if dims.cp_enabled:
         refuse_with_context_parallel(cfg, model)
     if cfg.get("distill") is not None:  # the teacher exists, the weights make sense, the vocabularies agree
-        from dufu.engine.distill import check_teacher
-
         check_teacher(instantiate(cfg.distill), model)
     scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
     # A delta run's checkpoints hold only the delta: its base is read from its source on every start.
-    base_from = None if getattr(model, "delta_info", None) is not None else resume_from
+    base_from = None if model.delta_info is not None else resume_from
     notices = [n for n in (resume_note, notice, selective_checkpoint_notice(t.dist, t.activation_checkpoint)) if n]
     return RunPlan(dims, batch_sizes, resume_from, tokenizer, train_ds, valid_ds, seq_length, model, stage_ids,
                    pretrained_weights(model, base_from), scheduler, notices)
@@ -104,8 +94,6 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
 
 def refuse_auto(cfg) -> None:
     """A layout value still ``auto`` here was not given to the planner: say how to get it resolved."""
-    from dufu.config.overrides import auto_layout_keys
-
     left = auto_layout_keys(cfg)
     if left:
         named = sorted(k for k in left if k != "train.dist.auto") or ["train.dist.auto=True"]
@@ -121,17 +109,6 @@ def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
     if resume is True:
         # Verify the checkpoint here, once, before any worker starts: a damaged file is then one clear error.
         Checkpointer(plan.resume_from.parent).verify(plan.resume_from)
-
-
-def pretrained_weights(model: nn.Module, resume_from: Optional[Path]) -> Pretrained:
-    """Check ``model.pretrained`` (the path and the sizes; nothing is read) and say how it will be loaded."""
-    path = getattr(model, "pretrained_path", None)
-    if path is None or resume_from is not None:
-        return Pretrained(path)
-    *_, checkpoint = check_pretrained(model, path)
-    if checkpoint is not None:
-        return Pretrained(path, checkpoint=checkpoint)
-    return Pretrained(path, source=lambda part: pretrained_source(part, path))
 
 
 def with_kwargs(node, **kwargs):
@@ -164,7 +141,7 @@ def refuse_with_context_parallel(cfg, model) -> None:
                "over the whole sequence; turn them off")
     elif cfg.get("distill") is not None:
         why = "distillation's teacher is not split by sequence; train the student without the distill section"
-    elif getattr(model, "delta_info", None) is not None and set(model.delta_info.kinds) & {"PrefixTuning",
+    elif model.delta_info is not None and set(model.delta_info.kinds) & {"PrefixTuning",
                                                                                              "PromptTuning"}:
         why = (f"{' and '.join(sorted(set(model.delta_info.kinds) & {'PrefixTuning', 'PromptTuning'}))} add tokens to "
                "every sequence; LoRA, adapters, BitFit and freezing work with it")
@@ -185,13 +162,13 @@ def build_model(cfg, tokenizer, seq_length: int) -> nn.Module:
         from dufu.delta import apply_delta
 
         apply_delta(model, instantiate(cfg.delta))
-    vocab = getattr(model, "vocab_size", None)
+    vocab = contract_of(model).vocab_size
     if vocab is not None and tokenizer.vocab_size > vocab:
         raise ConfigError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size is {vocab}. "
             f"Set model.vocab_size={tokenizer.vocab_size} or more (a multiple of 128 is fastest)."
         )
-    max_pos = getattr(model, "max_position_embeddings", None)
+    max_pos = contract_of(model).max_position_embeddings
     if max_pos is not None and seq_length > max_pos:
         raise ConfigError(
             f"the data's sequence length {seq_length} exceeds model.max_position_embeddings {max_pos}; "

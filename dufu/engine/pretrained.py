@@ -6,7 +6,7 @@ config) only records ``pretrained_path``. Whoever builds the model loads it, her
 * the trainer builds on the meta device, splits and shards, and fills each rank's part through
   :func:`pretrained_source` (see :mod:`dufu.parallel.materialize`): a pipeline stage reads only its own
   tensors, and a tensor-parallel or ZeRO rank reads only its block of each tensor stored as-is
-  (:class:`dufu.models.hub.StoredTensor`);
+  (:class:`dufu.models.hf_weights.StoredTensor`);
 * :func:`load_pretrained` fills a model already built on a real device, in place;
 * :func:`from_pretrained` and :func:`pretrained_model` build the model from the source's own config and fill it.
 
@@ -18,8 +18,9 @@ run (``output_dir``, ``output_dir/checkpoints`` or ``.../step_N``), read through
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import nn
@@ -37,6 +38,7 @@ from dufu.models.hub import (
     read_hf_config,
 )
 from dufu.parallel.materialize import materialize_
+from dufu.models.base import contract_of
 
 
 def resolve_dufu_checkpoint(path: str | Path) -> Path:
@@ -61,7 +63,7 @@ def _dufu_checkpoint_tensors(ckpt: Path, module: nn.Module, keys: list[str]) -> 
     reader = SafeFileSystemReader(str(ckpt))
     available = reader.read_metadata().state_dict_metadata
     aliases = {}
-    for a, b in getattr(module, "tied_parameter_names", {}).items():
+    for a, b in contract_of(module).tied_parameter_names.items():
         aliases[a], aliases[b] = b, a
     wanted, names = {}, {}
     own = module.state_dict()
@@ -114,13 +116,14 @@ def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
     source lacks is an error naming both; ``strict`` also refuses source tensors ``module`` has no place for.
     ``module`` may be a pipeline stage or hold sharded tensors: only its names and global shapes are used."""
     own = module.state_dict()
-    tied = getattr(module, "tied_parameter_names", {})
+    tied = contract_of(module).tied_parameter_names
     what, ad, ckpt = check_pretrained(module, path, check_sizes)
     if ad is not None:
         source = hf_tensor_sources(ad, module, path)
     else:
         source = _dufu_checkpoint_tensors(ckpt, module, list(own))
-    added = set(getattr(getattr(module, "delta_info", None), "added", ()))  # a delta's own: in no base
+    delta = contract_of(module).delta_info
+    added = set(delta.added if delta is not None else ())  # a delta's own: in no base
     missing = [k for k in own if k not in source and k not in tied and k not in added]
     unexpected = [k for k in source if k not in own] if strict else []
     if missing or unexpected:
@@ -136,7 +139,7 @@ def load_pretrained(module: nn.Module, path: Optional[str | Path] = None, strict
     family's adapter) or a dufu checkpoint; ``path`` defaults to the ``pretrained_path`` the constructor
     recorded. ``module`` may be part of a model (a pipeline stage): only the tensors it holds are read
     (see :func:`pretrained_source` for the checks)."""
-    path = getattr(module, "pretrained_path", None) if path is None else path
+    path = contract_of(module).pretrained_path if path is None else path
     if path is None:
         raise DufuError(f"{type(module).__name__} was built without pretrained weights (pretrained=None) and no "
                         "path was given to load_pretrained.")
@@ -151,8 +154,7 @@ def load_pretrained(module: nn.Module, path: Optional[str | Path] = None, strict
         value = value() if callable(value) else value
         check_source_shape(what, module, key, value, target)
         target.copy_(value)
-    if hasattr(module, "tie_weights"):
-        module.tie_weights()
+    contract_of(module).tie_weights()
     return module
 
 
@@ -208,7 +210,7 @@ def pretrained_model(path: str | Path, architecture: Optional[str] = None, **ove
             node["pretrained"] = None  # the checkpoint's own weights replace those it started from
         with torch.device("meta"):
             model = instantiate(node)  # shapes only
-        if not meta and not callable(getattr(model, "init_module", None)):
+        if not meta and contract_of(model).init_module is None:
             raise DufuError(f"{type(model).__name__} has no init_module(), so it cannot be materialised "
                             "from a meta-device build to load a checkpoint into.")
     if meta:
@@ -237,3 +239,25 @@ def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dic
             return peft.save_adapter(model, path, sd, base=base)
         sd = peft.merged_state_dict(model, sd)
     return write_hf_model(model, path, sd)
+
+
+@dataclass
+class Pretrained:
+    """Where ``model.pretrained`` weights come in. ``source``: a Hugging Face directory, read into each part as
+    it is materialized. ``checkpoint``: a dufu run, which all ranks read together through DCP once the parts
+    exist. Both None: no pretrained weights, or a resumed run (its checkpoint replaces every weight)."""
+
+    path: Optional[str] = None
+    source: Optional[Callable] = None
+    checkpoint: Optional[Path] = None
+
+
+def pretrained_weights(model: nn.Module, resume_from: Optional[Path]) -> Pretrained:
+    """Check ``model.pretrained`` (the path and the sizes; nothing is read) and say how it will be loaded."""
+    path = contract_of(model).pretrained_path
+    if path is None or resume_from is not None:
+        return Pretrained(path)
+    *_, checkpoint = check_pretrained(model, path)
+    if checkpoint is not None:
+        return Pretrained(path, checkpoint=checkpoint)
+    return Pretrained(path, source=lambda part: pretrained_source(part, path))

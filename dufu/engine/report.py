@@ -3,6 +3,7 @@ summary. Rank 0 writes and prints; the other ranks keep the same counters and st
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from typing import Callable
@@ -11,59 +12,62 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dufu.engine.generate import generate
 from dufu.engine.flops import count_matmul_params, flops_per_token
 from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
 from dufu.parallel.data_parallel import describe_zero_stage
 from dufu.parallel.env import collective_device
+from dufu.models.base import contract_of
 
 
 def model_flops_per_token(model, seq_length: int) -> float:
     """The model FLOPs of one trained token (6N + 12*L*H*T), for MFU."""
-    attention_layers = getattr(model, "attention_layers", getattr(model, "num_layers", 0))  # T5: enc + dec
-    return flops_per_token(count_matmul_params(model), attention_layers, getattr(model, "hidden_size", 0), seq_length)
+    declared = contract_of(model)
+    attention_layers = declared.attention_layers or 0  # T5: encoder + decoder
+    return flops_per_token(count_matmul_params(model), attention_layers, declared.hidden_size or 0, seq_length)
 
 
-def describe(trainer) -> str:
+def describe(runtime) -> str:
     """The start-up summary: model, layout, batch arithmetic, data, MFU basis, weights, output, notices."""
-    t = trainer.cfg.train
-    amp = trainer.precision.name
+    t = runtime.cfg.train
+    amp = runtime.precision.name
     zero = f", {describe_zero_stage(t.zero_optimization.stage)}" if t.zero_optimization.enabled else ""
     extras = []
-    if t.dist.get("sequence_parallel"):
+    if t.dist.sequence_parallel:
         extras.append("sequence parallel")
-    if trainer.schedule is not None:
-        extras.append(f"{t.dist.get('pipeline_schedule')} schedule")
+    if runtime.schedule is not None:
+        extras.append(f"{t.dist.pipeline_schedule} schedule")
     if t.activation_checkpoint.enabled:
-        extras.append(f"{t.activation_checkpoint.get('mode', 'full')} activation checkpointing")
-    valid = len(trainer.valid_ds) if trainer.valid_ds is not None else 0
+        extras.append(f"{t.activation_checkpoint.mode} activation checkpointing")
+    valid = len(runtime.valid_ds) if runtime.valid_ds is not None else 0
     return "\n".join([
-        f"dufu: {trainer.model_name} with {trainer.num_parameters / 1e6:.2f}M parameters "
-        f"{'(' + trainer.moe.describe(trainer.num_parameters) + ') ' if getattr(trainer, 'moe', None) else ''}"
-        f"on {trainer.device.type} ({amp})",
-        f"  layout       {trainer.dims.describe()}{zero}{'; ' + ', '.join(extras) if extras else ''}",
-        f"  batch        global {trainer.global_batch_size} = micro {trainer.micro_batch_size} x dp "
-        f"{trainer.dims.data_parallel_size} x accumulation {trainer.num_accumulation_steps}; "
-        f"{trainer.tokens_per_step:,} tokens/step",
-        *data_lines(trainer, valid),
-        f"  precision    {amp}: {trainer.precision.reason}",
-        f"  compile      {trainer.compile.reason}",
-        f"  MFU          {trainer.flops_per_token / 1e6:,.1f} MFLOP/token (6N + 12*L*H*T); peak {trainer.peak_source}",
-        weights_line(trainer),
-        *([f"  delta        {trainer.delta.summary()}"] if getattr(trainer, "delta", None) else []),
-        f"  output       {trainer.output_dir}",
-        *(f"  notice       {n}" for n in trainer.notices),
+        f"dufu: {runtime.model_name} with {runtime.num_parameters / 1e6:.2f}M parameters "
+        f"{'(' + runtime.moe.describe(runtime.num_parameters) + ') ' if runtime.moe else ''}"
+        f"on {runtime.device.type} ({amp})",
+        f"  layout       {runtime.dims.describe()}{zero}{'; ' + ', '.join(extras) if extras else ''}",
+        f"  batch        global {runtime.global_batch_size} = micro {runtime.micro_batch_size} x dp "
+        f"{runtime.dims.data_parallel_size} x accumulation {runtime.num_accumulation_steps}; "
+        f"{runtime.tokens_per_step:,} tokens/step",
+        *data_lines(runtime, valid),
+        f"  precision    {amp}: {runtime.precision.reason}",
+        f"  compile      {runtime.compile.reason}",
+        f"  MFU          {runtime.flops_per_token / 1e6:,.1f} MFLOP/token (6N + 12*L*H*T); peak {runtime.peak_source}",
+        weights_line(runtime),
+        *([f"  delta        {runtime.delta.summary()}"] if runtime.delta is not None else []),
+        f"  output       {runtime.output_dir}",
+        *(f"  notice       {n}" for n in runtime.notices),
     ])
 
 
-def data_lines(trainer, valid: int) -> list[str]:
+def data_lines(runtime, valid: int) -> list[str]:
     """The data line; for a blend (:class:`~dufu.data.blend.BlendedDataset`) also one line per dataset with its
     training tokens, weight and the epochs of it the run sees: train_iter x global batch x weight / its samples."""
-    train = trainer.train_ds
-    vocab = f"tokenizer vocab {trainer.tokenizer.vocab_size:,}"
+    train = runtime.train_ds
+    vocab = f"tokenizer vocab {runtime.tokenizer.vocab_size:,}"
     names = getattr(train, "names", None)
     if names is None or not hasattr(train, "datasets"):
         return [f"  data         {len(train):,} training samples, {valid:,} validation samples; {vocab}"]
-    seen = trainer.cfg.train.train_iter * trainer.global_batch_size
+    seen = runtime.cfg.train.train_iter * runtime.global_batch_size
     lines = [f"  data         blend of {len(names)} datasets, {len(train):,} training samples per pass, {valid:,} "
              f"validation samples; {vocab}"]
     width = max(len(n) for n in names)
@@ -72,22 +76,22 @@ def data_lines(trainer, valid: int) -> list[str]:
         tokens = f"{tokens:,} tokens, " if tokens is not None else ""
         epochs = seen * float(weight) / len(ds)
         lines.append(f"               {name:<{width}}  {tokens}{len(ds):,} samples, weight {weight:.3g}: "
-                     f"{epochs:.3g} epochs in {trainer.cfg.train.train_iter:,} steps")
+                     f"{epochs:.3g} epochs in {runtime.cfg.train.train_iter:,} steps")
     return lines
 
 
-def weights_line(trainer) -> str:
+def weights_line(runtime) -> str:
     """Where the weights come from and how much of the model this rank holds (people read it on rank 0)."""
-    if trainer.resume_from is not None:
-        source = f"from checkpoint {trainer.resume_from.name}"
-    elif trainer.pretrained.path is not None:
-        source = f"pretrained, {trainer.pretrained.path}"
+    if runtime.resume_from is not None:
+        source = f"from checkpoint {runtime.resume_from.name}"
+    elif runtime.pretrained.path is not None:
+        source = f"pretrained, {runtime.pretrained.path}"
     else:
-        source = f"random init (seed {trainer.cfg.train.seed})"
+        source = f"random init (seed {runtime.cfg.train.seed})"
     held = sum((p.to_local() if isinstance(p, DTensor) else p).numel()
-               for p in {id(p): p for part in trainer.model_parts for p in part.parameters()}.values())
-    build = "built on the meta device" if trainer.meta_init else "built in full on every rank"
-    return f"  weights      {source}; {build}, rank {trainer.rank} holds {held / 1e6:.2f}M parameters"
+               for p in {id(p): p for part in runtime.model_parts for p in part.parameters()}.values())
+    build = "built on the meta device" if runtime.meta_init else "built in full on every rank"
+    return f"  weights      {source}; {build}, rank {runtime.rank} holds {held / 1e6:.2f}M parameters"
 
 
 def evaluation_line(step: int, ev: dict) -> str:
@@ -163,9 +167,9 @@ class RunLog:
     def __init__(self, trainer, clock: StepClock | None = None):
         t = trainer.cfg.train
         self.trainer, self.train_iter, self.log_period = trainer, t.train_iter, t.log_period
-        self.writer = MetricsWriter(trainer.output_dir, tensorboard=t.get("tensorboard", True),
-                                    resume_step=trainer.step if trainer.resume_from else None) \
-            if trainer.is_main else None
+        self.runtime = rt = trainer.runtime
+        self.writer = MetricsWriter(rt.output_dir, tensorboard=t.tensorboard,
+                                    resume_step=trainer.step if rt.resume_from else None) if rt.is_main else None
         self.bar = None
         self.clock = clock or StepClock()
 
@@ -174,9 +178,9 @@ class RunLog:
         at once: one synchronisation)."""
         restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
         if restart and self.writer is not None:  # a worker group restarted by --max-restarts: on the record
-            tr = self.trainer
+            tr, rt = self.trainer, self.runtime
             self.writer.write({"step": tr.step, "restart": restart,
-                               "resumed_from": tr.resume_from.name if tr.resume_from is not None else None})
+                               "resumed_from": rt.resume_from.name if rt.resume_from is not None else None})
             tr.log(f"restart {restart} of the worker group: continuing at step {tr.step}")
         self.bar = ProgressBar(self.train_iter, initial=self.trainer.step, enabled=self.trainer.is_main)
         self.start_step, self.window_steps = self.trainer.step, 0
@@ -186,12 +190,12 @@ class RunLog:
     def step(self, loss: float, grad_norm: float) -> None:
         """Count a finished step; every train.log_period steps (and at the last) write a record. Every rank
         calls this after every step (the record's time is reduced over ranks)."""
-        tr, step = self.trainer, self.trainer.step
+        tr, rt, step = self.trainer, self.runtime, self.trainer.step
         self.window_steps += 1
         if step % self.log_period == 0 or step == self.train_iter:
             seconds = self.clock.window()
-            rates = window_rates(tr.tokens_per_step, self.window_steps, seconds, tr.flops_per_token, tr.peak_flops,
-                                 tr.world_size)
+            rates = window_rates(rt.tokens_per_step, self.window_steps, seconds, rt.flops_per_token, rt.peak_flops,
+                                 rt.world_size)
             self.timed_steps, self.timed_seconds = self.timed_steps + self.window_steps, self.timed_seconds + seconds
             record = {
                 "step": step, "loss": loss, "lr": tr.last_lr, "grad_norm": grad_norm,
@@ -200,11 +204,11 @@ class RunLog:
             }
             if tr.skipped_steps:
                 record["skipped_steps"] = tr.skipped_steps
-            if getattr(tr, "moe", None):  # a mixture-of-experts model: its load balance (dufu.engine.moe_monitor)
-                record.update(tr.moe.record(step))
-            if tr.scaler is not None:
-                record["loss_scale"] = tr.scaler.scale
-                record["skipped_steps"] = tr.scaler.skipped_steps
+            if rt.moe:  # a mixture-of-experts model: its load balance (dufu.engine.moe_monitor)
+                record.update(rt.moe.record(rt, step))
+            if rt.scaler is not None:
+                record["loss_scale"] = rt.scaler.scale
+                record["skipped_steps"] = rt.scaler.skipped_steps
             self.writer and self.writer.write(record)
             self.window_steps = 0
             self.bar.update(0, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}",
@@ -232,21 +236,22 @@ class RunLog:
         """Throughput and MFU over all logged windows: their tokens over their summed (training) time."""
         if not self.timed_steps or self.timed_seconds <= 0:
             return {"mean_tokens_per_s": None, "mean_mfu": None}
-        tr = self.trainer
-        rates = window_rates(tr.tokens_per_step, self.timed_steps, self.timed_seconds, tr.flops_per_token,
-                             tr.peak_flops, tr.world_size)
+        rt = self.runtime
+        rates = window_rates(rt.tokens_per_step, self.timed_steps, self.timed_seconds, rt.flops_per_token,
+                             rt.peak_flops, rt.world_size)
         return {"mean_tokens_per_s": rates["tokens_per_s"], "mean_mfu": rates["mfu"]}
 
     def finish(self, stop_reason, samples: Callable[[], list]) -> dict:
         """Close the bar, say why the run stopped early (if it did), and return the end summary; rank 0 also
         prints it and draws loss.png. ``samples()``: generated text, which every rank takes part in."""
-        tr = self.trainer
+        tr = rt = self.runtime
+        step = self.trainer.step
         self.close()
         if stop_reason:
-            tr.log(f"stopped at step {tr.step} of {self.train_iter}: {stop_reason}. The checkpoint is complete; "
+            tr.log(f"stopped at step {step} of {self.train_iter}: {stop_reason}. The checkpoint is complete; "
                    f"continue with: dufu train {tr.output_dir / 'config.yaml'} --resume")
         elapsed = time.perf_counter() - self.t_start
-        summary = {"steps": tr.step - self.start_step, "seconds": elapsed, "final_step": tr.step}
+        summary = {"steps": step - self.start_step, "seconds": elapsed, "final_step": step}
         texts = samples()
         if not tr.is_main:
             return summary
@@ -266,8 +271,8 @@ class RunLog:
         summary.setdefault("eval_ppl_end", None)
         plot_loss_curve(tr.output_dir / "metrics.jsonl", tr.output_dir / "loss.png",
                         title=f"{tr.model_name} - {tr.dims.describe()}")
-        if getattr(tr, "moe", None):
-            tr.moe.plot(title=f"{tr.model_name} - {tr.dims.describe()}")
+        if rt.moe:
+            rt.moe.plot(title=f"{tr.model_name} - {tr.dims.describe()}")
         tr.log(summary_text(summary, tr.output_dir))
         return summary
 
@@ -295,25 +300,20 @@ def summary_text(s: dict, output_dir) -> str:
     return "\n".join(lines)
 
 
-def sample_text(trainer) -> list[tuple[str, str]]:
+def sample_text(runtime) -> list[tuple[str, str]]:
     """A few generated continuations (all ranks take part under TP/FSDP; not under pipeline parallelism; under
     context parallelism every rank runs the whole prompt, its chunking paused)."""
-    import contextlib
-
-    from dufu.engine.generate import generate
-
-    g = trainer.cfg.train.get("generation", {})
-    if not g.get("enabled", False) or trainer.schedule is not None:
+    g = runtime.cfg.train.generation
+    if not g.enabled or runtime.schedule is not None:
         return []
     out = []
-    gen = torch.Generator(device=trainer.device).manual_seed(trainer.cfg.train.seed)
-    for prompt in g.get("prompts", []):
-        ids = torch.tensor([trainer.tokenizer.encode(prompt)], device=trainer.device)
-        with trainer.autocast(loss=False), (trainer.cp.paused() if trainer.cp else contextlib.nullcontext()):
+    gen = torch.Generator(device=runtime.device).manual_seed(runtime.cfg.train.seed)
+    for prompt in g.prompts:
+        ids = torch.tensor([runtime.tokenizer.encode(prompt)], device=runtime.device)
+        with runtime.autocast(loss=False), (runtime.cp.paused() if runtime.cp else contextlib.nullcontext()):
             full = generate(
-                trainer.model, ids, g.get("max_new_tokens", 64), temperature=g.get("temperature", 0.8),
-                top_k=g.get("top_k"), top_p=g.get("top_p"),
-                max_context=getattr(trainer.model, "max_position_embeddings", None), generator=gen,
+                runtime.model, ids, g.max_new_tokens, temperature=g.temperature, top_k=g.top_k, top_p=g.top_p,
+                max_context=contract_of(runtime.model).max_position_embeddings, generator=gen,
             )
-        out.append((prompt, trainer.tokenizer.decode(full[0, ids.shape[1]:].tolist())))
+        out.append((prompt, runtime.tokenizer.decode(full[0, ids.shape[1]:].tolist())))
     return out

@@ -42,7 +42,9 @@ from torch import nn
 
 from dufu.engine.streaming_source import MappedSafetensors, open_source
 from dufu.errors import DufuError
-from dufu.models.hub import StoredTensor, check_source_shape
+from dufu.models.hf_weights import StoredTensor
+from dufu.models.hub import check_source_shape
+from dufu.parallel.materialize import ModuleInitializer
 
 # k/M/G/T are powers of 1000 and Ki/Mi/Gi/Ti powers of 1024 (IEC 80000-13), with or without a trailing B.
 _PREFIXES = {"": 1, "k": 1000, "m": 1000 ** 2, "g": 1000 ** 3, "t": 1000 ** 4,
@@ -227,8 +229,6 @@ def _materialise_resident(model: nn.Module, plan: StreamingPlan, source: dict, d
                           what: str) -> None:
     """Read the resident parameters into private memory (copies: a view would leave their pages to the page cache,
     which may drop them under memory pressure and read them again); compute buffers the source lacks."""
-    from dufu.parallel.materialize import ModuleInitializer
-
     streamed = tuple(f"blocks.{k}." for k in plan.streamed_blocks)
     for name, p in list(model.named_parameters()):  # a tied head is its embedding's tensor: listed once
         if name.startswith(streamed):

@@ -37,9 +37,20 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Optional
 
 import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
+from dufu.cache import file_lock, resolve_cache_dir, short_hash
+from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.delta_run import is_delta_checkpoint
+from dufu.engine.pretrained import _dufu_checkpoint_tensors, pretrained_model, resolve_dufu_checkpoint
 from dufu.errors import DataError, DufuError
+from dufu.models.gpt import GPTModel
+from dufu.models.hf_weights import StoredTensor
+from dufu.models.hub import adapter_for_model, build_from_hf_config, read_hf_config
+from dufu.models.llama import LlamaModel
+from dufu.models.base import contract_of
 
 # transformers model_type -> what streaming supports: decoders whose blocks run one after another in a ModuleDict.
 SUPPORTED_MODEL_TYPES = {"gpt2": "GPT", "llama": "LLaMA", "qwen2": "Qwen2"}
@@ -49,9 +60,6 @@ _STAMP = "dufu_streaming_source.json"  # what a conversion was made from
 
 def check_family(model: nn.Module, what: str) -> None:
     """Streaming runs dufu's causal decoders (GPT, LLaMA, Qwen2); anything else is a clear refusal."""
-    from dufu.models.gpt import GPTModel
-    from dufu.models.llama import LlamaModel
-
     if not isinstance(model, (GPTModel, LlamaModel)) or not isinstance(getattr(model, "blocks", None), nn.ModuleDict):
         families = ", ".join(f"{v} ({k})" for k, v in SUPPORTED_MODEL_TYPES.items())
         raise DufuError(f"{what} is a {type(model).__name__}; streaming weights within a memory budget supports the "
@@ -64,8 +72,6 @@ class MappedSafetensors(Mapping):
     ``dtype(key)`` and ``shape(key)`` come from the headers, read at construction without touching the data."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
-
         self.path = Path(path)
         single, index = self.path / "model.safetensors", self.path / "model.safetensors.index.json"
         if single.is_file():
@@ -107,8 +113,6 @@ class MappedSafetensors(Mapping):
             self._open = outer
 
     def __getitem__(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
         file = self._files[key]
         if self._open is None:
             with safe_open(str(file), framework="pt") as f:
@@ -149,12 +153,9 @@ def mapped_files(path: str | Path) -> list[str]:
 # ----------------------------------------------------------------------------- sources
 def open_source(source: str | Path):
     """``(model, readers, weights, what)`` for streaming ``source``: the meta-device model, a
-    :class:`dufu.models.hub.StoredTensor` per tensor name of its state dict (a tied head may have none: its
+    :class:`dufu.models.hf_weights.StoredTensor` per tensor name of its state dict (a tied head may have none: its
     embedding serves it), each stored exactly as the model holds it, the :class:`MappedSafetensors` they read, and
     a name for messages."""
-    from dufu.engine.pretrained import resolve_dufu_checkpoint
-    from dufu.models.hub import StoredTensor, adapter_for_model, build_from_hf_config, read_hf_config
-
     path = Path(source)
     if not path.exists():
         raise DataError(f"{path} does not exist. Give a Hugging Face directory (config.json + safetensors) or a "
@@ -174,9 +175,6 @@ def open_source(source: str | Path):
             weights = MappedSafetensors(directory)
             readers = {k: StoredTensor(weights, k) for k in model.state_dict() if k in weights}
         return model, readers, weights, f"the weights in {path}"
-    from dufu.engine.delta_run import is_delta_checkpoint
-    from dufu.engine.pretrained import _dufu_checkpoint_tensors, pretrained_model
-
     ckpt = resolve_dufu_checkpoint(path)
     if is_delta_checkpoint(ckpt):
         raise DufuError(f"{ckpt} is a delta run's checkpoint (its base and delta are separate). Merge them into a "
@@ -190,8 +188,6 @@ def open_source(source: str | Path):
     stamp = {"checkpoint": ckpt.name,
              "manifest_sha256": hashlib.sha256((ckpt / "manifest.json").read_bytes()).hexdigest()}
     if not _stamped(directory, stamp):
-        from dufu.engine.checkpoint import Checkpointer
-
         Checkpointer(ckpt.parent).verify(ckpt)  # sizes and checksums, before the files are trusted
         _convert(model, lambda keys: _dufu_checkpoint_tensors(ckpt, model, keys), directory, stamp,
                  f"the dufu checkpoint {ckpt}")
@@ -202,7 +198,7 @@ def open_source(source: str | Path):
 
 
 def _check_complete(model: nn.Module, readers: dict, what: str) -> None:
-    tied = getattr(model, "tied_parameter_names", {})
+    tied = contract_of(model).tied_parameter_names
     missing = [k for k in model.state_dict() if k not in readers and k not in tied]
     if missing:
         raise DataError(f"{what} do not fit {type(model).__name__}: missing {missing[:5]}. Check that the config "
@@ -211,8 +207,6 @@ def _check_complete(model: nn.Module, readers: dict, what: str) -> None:
 
 def _as_stored(model: nn.Module, readers: dict, weights: MappedSafetensors) -> dict[str, bool]:
     """Per tensor the model holds: is it stored as-is, in the model's dtype (so the parameter can be a view)?"""
-    from dufu.models.hub import StoredTensor
-
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}
     return {k: isinstance(r, StoredTensor) and weights.dtype(r.key) == own[k].dtype
             for k, r in readers.items() if k in own}
@@ -227,8 +221,6 @@ def _stamped(directory: Path, stamp: dict) -> bool:
 
 def _hf_cache(path: Path, weights: MappedSafetensors) -> Path:
     """The cache entry of a Hugging Face directory's conversion: keyed by its path, config and weight files."""
-    from dufu.data._cache import resolve_cache_dir, short_hash
-
     files = weights.files()
     parts = [str(path.resolve()), (path / "config.json").read_bytes()]
     parts += [f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files]
@@ -239,12 +231,8 @@ def _convert(model: nn.Module, read: Callable[[list[str]], dict], directory: Pat
     """Write ``model``'s tensors as ``read(names)`` gives them, under dufu's names, in the model's dtypes, into
     ``directory``: one safetensors shard per block and per module outside the blocks, so one of them is in memory
     at a time. Written under a temporary name and renamed into place, so an entry is complete or absent."""
-    from safetensors.torch import save_file
-
-    from dufu.data._cache import file_lock
-
     own = {**dict(model.named_parameters()), **dict(model.named_buffers())}  # a tied head: its embedding only
-    names = [k for k in model.state_dict() if k in own and k not in getattr(model, "tied_parameter_names", {})]
+    names = [k for k in model.state_dict() if k in own and k not in contract_of(model).tied_parameter_names]
     groups: dict[str, list[str]] = {}  # one per block, and one per module outside the blocks (wte, ln_f, ...)
     for n in names:
         parts = n.split(".")

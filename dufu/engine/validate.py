@@ -3,25 +3,12 @@
 from __future__ import annotations
 
 from dufu.engine.precision import check_setting
+from dufu.engine.schema import validate_train
 from dufu.parallel.activation_checkpoint import check_mode
 from dufu.parallel.compile import check_compile_setting
 from dufu.errors import ConfigError
 
 NAMESPACES = ("model", "train", "optim", "dataloader", "tokenization")
-
-
-def _require(cfg, dotted: str):
-    node = cfg
-    path = []
-    for part in dotted.split("."):
-        path.append(part)
-        if not isinstance(node, dict) or part not in node:
-            raise ConfigError(
-                f"the config has no key '{'.'.join(path)}', which dufu needs. Start from a packaged recipe "
-                "(dufu configs lists them) or add the key; see dufu/configs/common/train.py for the defaults."
-            )
-        node = node[part]
-    return node
 
 
 def _positive_int(value, key: str, allow_none: bool = False, allow_zero: bool = False):
@@ -36,6 +23,8 @@ def _positive_int(value, key: str, allow_none: bool = False, allow_zero: bool = 
 
 
 def validate_config(cfg) -> None:
+    """Check the config once, at start-up: the train schema (keys and types, defaults filled in:
+    :func:`dufu.engine.schema.validate_train`), then the ranges and the words other modules own."""
     missing = [ns for ns in NAMESPACES if ns not in cfg]
     if missing:
         raise ConfigError(
@@ -43,13 +32,8 @@ def validate_config(cfg) -> None:
             f"{', '.join(NAMESPACES)} (as LiBai's do). Import them from a packaged recipe, e.g. "
             "`from dufu.config import get_config; train = get_config('common/train.py').train`."
         )
+    validate_train(cfg)  # every train key present, of its schema's type (dufu.engine.schema)
     t = cfg.train
-    for key in ("output_dir", "train_iter", "train_micro_batch_size", "log_period", "seed", "amp.enabled",
-                "amp.dtype", "activation_checkpoint.enabled", "checkpointer.period", "checkpointer.max_to_keep",
-                "evaluation.enabled", "evaluation.eval_period", "dist.data_parallel_size",
-                "dist.tensor_parallel_size", "dist.pipeline_parallel_size", "zero_optimization.enabled",
-                "zero_optimization.stage"):
-        _require(cfg, "train." + key)
     _positive_int(t.train_iter, "train.train_iter")
     _positive_int(t.train_micro_batch_size, "train.train_micro_batch_size")
     _positive_int(t.global_batch_size, "train.global_batch_size", allow_none=True)
@@ -57,19 +41,19 @@ def validate_config(cfg) -> None:
     _positive_int(t.log_period, "train.log_period")
     _positive_int(t.checkpointer.period, "train.checkpointer.period", allow_zero=True)
     _positive_int(t.evaluation.eval_period, "train.evaluation.eval_period")
-    _positive_int(t.get("stop_at_iter"), "train.stop_at_iter", allow_none=True)
-    minutes = t.get("stop_after_minutes")
-    if minutes is not None and (isinstance(minutes, bool) or not isinstance(minutes, (int, float)) or minutes <= 0):
+    _positive_int(t.stop_at_iter, "train.stop_at_iter", allow_none=True)
+    minutes = t.stop_after_minutes
+    if minutes is not None and minutes <= 0:
         raise ConfigError(f"train.stop_after_minutes = {minutes!r} must be a positive number of minutes or None.")
-    if t.get("nan_policy", "stop") not in ("stop", "skip"):
+    if t.nan_policy not in ("stop", "skip"):
         raise ConfigError(
             f"train.nan_policy = {t.nan_policy!r} is not known; use \"stop\" (stop and name the tensor) or "
             "\"skip\" (skip the update and count it)."
         )
     try:
         check_setting(t.amp.enabled, t.amp.dtype)
-        check_mode(t.activation_checkpoint.get("mode", "full"))
-        check_compile_setting(t.get("compile", {}).get("enabled", False))
+        check_mode(t.activation_checkpoint.mode)
+        check_compile_setting(t.compile.enabled)
     except ValueError as e:
         raise ConfigError(str(e)) from None
     if t.zero_optimization.stage not in (1, 2, 3):
@@ -77,7 +61,7 @@ def validate_config(cfg) -> None:
             f"train.zero_optimization.stage = {t.zero_optimization.stage!r}: ZeRO stages are 1 (optimizer state), "
             "2 (+ gradients) and 3 (+ parameters). Set train.zero_optimization.stage=1, 2 or 3."
         )
-    if not isinstance(t.output_dir, str) or not t.output_dir:
+    if not t.output_dir:
         raise ConfigError("train.output_dir must be a non-empty path string, e.g. train.output_dir=output/my_run.")
 
 

@@ -114,9 +114,20 @@ def document_mask(position_ids: torch.Tensor, attention_mask: Optional[torch.Ten
     return attention_mask
 
 
+def context_parallel_of(module: nn.Module):
+    """The ``context_parallel`` an :class:`Attention` or a model declares (the rank's
+    :class:`~dufu.parallel.context_parallel.ContextParallel`, set when a run splits sequences) when it is splitting
+    sequences now (not paused), else None."""
+    cp = module.context_parallel
+    return cp if cp is not None and cp.active else None
+
+
 class Attention(nn.Module):
     # Under sequence parallelism, gather the sequence once here, not in each of q/k/v.
     tensor_parallel_input = "replicate"
+    # Set by dufu.parallel.context_parallel.apply_context_parallel: then this rank holds chunks of the sequence
+    # and fetches the other ranks' keys and values (see context_parallel_of).
+    context_parallel = None
 
     def __init__(
         self,
@@ -208,8 +219,8 @@ class Attention(nn.Module):
                     kv_cache.put(self, k, v)
         if rotary is not None and kv is not None:
             raise ValueError("rotary embeddings apply to self-attention only")
-        cp = getattr(self, "context_parallel", None)  # set by dufu.parallel.context_parallel
-        if cp is not None and cp.active:
+        cp = context_parallel_of(self)
+        if cp is not None:
             if (kv is not None or kv_cache is not None or position_bias is not None
                     or getattr(self, "delta_prefix", None) is not None):
                 raise ValueError("context parallelism splits plain self-attention only: not cross-attention, a "

@@ -17,7 +17,7 @@ A family states, as data:
   converters, HF-side alternatives, where export reads the value from a built model), constant keys to
   write, and at most one small named function per direction for what a row cannot say.
 
-Reading is lazy: a tensor stored as-is becomes a :class:`dufu.models.hub.StoredTensor` (so a
+Reading is lazy: a tensor stored as-is becomes a :class:`dufu.models.hf_weights.StoredTensor` (so a
 tensor-parallel or ZeRO rank reads only its block), a transformed one a zero-argument callable that reads
 the whole stored tensor; only the names the given module holds are looked up (a pipeline stage reads its own).
 """
@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from dufu.errors import DufuError
+from dufu.models.hf_weights import StoredTensor
 
 
 def _compile(pattern: str) -> re.Pattern:
@@ -141,8 +142,6 @@ class HFMapping:
     def tensor_sources(self, hf: Mapping, model: nn.Module) -> dict:
         """For each of ``model``'s tensor names found in ``hf`` (a dict or a lazy mapping of transformers
         tensors): a reader of it. Names ``hf`` lacks are left out, for the caller to report."""
-        from dufu.models.hub import StoredTensor
-
         stored = {}  # the table's name -> the name ``hf`` stores it under
         for key in hf:
             name = key
@@ -198,7 +197,7 @@ class HFMapping:
 
     def tied_hf_names(self, model: nn.Module) -> list[str]:
         """Names not written because transformers ties them to the embedding on load."""
-        if not getattr(model, "tie_word_embeddings", False):
+        if not model.tie_word_embeddings:
             return []
         names = self.hf_names(self.tied_head, model, self.save_prefix(model))
         return [names[0]] if names else []

@@ -34,14 +34,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from dufu.errors import ConfigError
-from dufu.models.base import tied_names
-from dufu.models.hub import StoredTensor
+from dufu.models.base import ModelBase, tied_names
+from dufu.models.hf_weights import StoredTensor
 from dufu.models.outputs import ModelOutput
 
 
 def _import_transformers():
     try:
-        import transformers
+        import transformers  # here, not at the top: optional, and seconds to import
     except ModuleNotFoundError:
         raise ConfigError("HFAutoModel needs Hugging Face transformers: pip install transformers") from None
     return transformers
@@ -99,6 +99,7 @@ class AsIsMapping:
     directory lacks are left out, for the loader to report; tied names are served by their twin."""
 
     model_type = "transformers as-is"
+    load_renames = ()  # stored names are the wrapped model's own (or converted by transformers' loader)
 
     def config_from_hf(self, hf_config: dict) -> dict:
         text = hf_config.get("text_config") or hf_config
@@ -145,7 +146,7 @@ def _converted_by_transformers(module: nn.Module, path) -> dict:
     return {f"hf.{k}": v for k, v in loaded.state_dict().items() if f"hf.{k}" not in missing}
 
 
-class HFAutoModel(nn.Module):
+class HFAutoModel(ModelBase, nn.Module):
     """A transformers model behind dufu's model contract (``forward(**batch).loss``, sizes as attributes).
 
     Args:
@@ -161,6 +162,12 @@ class HFAutoModel(nn.Module):
 
     main_input_name = "input_ids"
     hf_mapping = AsIsMapping()  # what dufu.models.hub.adapter_for_model returns for this class
+    pipeline_unsupported_reason = (
+        "a transformers model run as-is declares no `pipeline_layout` (pipeline parallelism needs a model built "
+        "from dufu layers).")
+    context_parallel_unsupported_reason = (
+        "a transformers model run as-is computes attention with its own kernels, which do not fetch the other "
+        "ranks' keys and values")
 
     def __init__(
         self,

@@ -6,10 +6,10 @@ transformers ``config.json`` into the dufu model's constructor arguments and bac
 transpose) tensors between the two layouts, and pick the dufu class for an HF architecture name.
 
 Weights are read from ``model.safetensors`` (sharded ``model.safetensors.index.json`` too) or, failing
-that, ``pytorch_model.bin`` with ``torch.load(weights_only=True)``, lazily (:class:`HFWeights`): a tensor is
-read only when the module being filled has a parameter of that name, and a tensor stored as-is
-(:class:`StoredTensor`) can be read one block at a time (safetensors ``get_slice``), so a tensor-parallel
-or ZeRO rank reads only its own shard.
+that, ``pytorch_model.bin`` with ``torch.load(weights_only=True)``, lazily (:mod:`dufu.models.hf_weights`): a
+tensor is read only when the module being filled has a parameter of that name, and a tensor stored as-is
+(:class:`~dufu.models.hf_weights.StoredTensor`) can be read one block at a time (safetensors ``get_slice``), so
+a tensor-parallel or ZeRO rank reads only its own shard.
 
 Filling a model with those weights (``dufu.from_pretrained``, ``model.pretrained=DIR``, a dufu run as the
 source) composes models, materialisation and checkpoints, so it lives above: :mod:`dufu.engine.pretrained`.
@@ -17,15 +17,22 @@ source) composes models, materialisation and checkpoints, so it lives above: :mo
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 from pathlib import Path
-from typing import Iterator, Mapping, Optional
+from typing import Optional
 
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 
+import dufu.models
 from dufu.errors import DataError, DufuError
+from dufu.models.base import contract_of
 from dufu.models.hf_adapter import HFMapping
+# StoredTensor is also imported from here (dufu.engine.streaming, dufu.engine.streaming_source)
+from dufu.models.hf_weights import HFWeights, StoredTensor  # noqa: F401
 
 # The registry's entries (one per transformers model_type) are HFMappings.
 FamilyAdapter = HFMapping
@@ -40,12 +47,7 @@ def register(adapter: HFMapping) -> HFMapping:
 
 def _load_families() -> None:
     """Import every family's hf module so it registers itself (lazily: transformers is not needed)."""
-    import importlib
-    import pkgutil
-
-    import dufu.models as models
-
-    for info in pkgutil.iter_modules(models.__path__):
+    for info in pkgutil.iter_modules(dufu.models.__path__):
         if info.ispkg:
             try:
                 importlib.import_module(f"dufu.models.{info.name}.hf")
@@ -62,7 +64,7 @@ def adapters() -> dict[str, FamilyAdapter]:
 def adapter_for_model(model: nn.Module) -> FamilyAdapter:
     """The mapping ``model`` exports through and loads with: its family's, or the one its class carries
     (``hf_mapping``: a transformers model as-is, :class:`dufu.models.hf_auto.HFAutoModel`)."""
-    own = getattr(type(model), "hf_mapping", None)
+    own = contract_of(model).hf_mapping
     if own is not None:
         return own
     for ad in adapters().values():
@@ -85,8 +87,6 @@ def read_hf_config(path: str | Path) -> dict:
 
 
 def read_hf_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     path = Path(path)
     if (path / "model.safetensors").is_file():
         return load_file(str(path / "model.safetensors"))
@@ -129,8 +129,6 @@ def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dic
 
 def write_hf_model(model: nn.Module, path: str | Path, sd: dict) -> Path:
     """config.json + model.safetensors of ``model`` with the tensors ``sd`` (dufu names)."""
-    from safetensors.torch import save_file
-
     ad = adapter_for_model(model)
     hf_sd = ad.state_dict_to_hf(sd, model)
     hf_config = ad.config_to_hf(model)
@@ -142,87 +140,6 @@ def write_hf_model(model: nn.Module, path: str | Path, sd: dict) -> Path:
     save_file({k: v.contiguous() for k, v in hf_sd.items()}, str(path / "model.safetensors"), metadata={"format": "pt"})
     (path / "config.json").write_text(json.dumps(hf_config, indent=2))
     return path
-
-
-# --------------------------------------------------------------------------- lazy loading
-class HFWeights(Mapping):
-    """The tensors of a Hugging Face model directory, read one at a time on access (``safe_open``)."""
-
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self._files: dict[str, Path] = {}
-        self._handles: dict[Path, object] = {}
-        self._eager: Optional[dict] = None
-        single, index = self.path / "model.safetensors", self.path / "model.safetensors.index.json"
-        if single.is_file():
-            from safetensors import safe_open
-
-            with safe_open(str(single), framework="pt") as f:
-                self._files = {k: single for k in f.keys()}
-        elif index.is_file():
-            weight_map = json.loads(index.read_text())["weight_map"]
-            self._files = {k: self.path / f for k, f in weight_map.items()}
-        elif (self.path / "pytorch_model.bin").is_file():
-            # memory-mapped: tensors are paged in when used
-            self._eager = torch.load(self.path / "pytorch_model.bin", map_location="cpu", weights_only=True,
-                                     mmap=True)
-        else:
-            raise DataError(f"{self.path} holds no weights: expected model.safetensors, "
-                            "model.safetensors.index.json or pytorch_model.bin.")
-
-    def _handle(self, key: str):
-        file = self._files[key]
-        if file not in self._handles:
-            from safetensors import safe_open
-
-            self._handles[file] = safe_open(str(file), framework="pt")
-        return self._handles[file]
-
-    def __getitem__(self, key: str) -> torch.Tensor:
-        if self._eager is not None:
-            return self._eager[key]
-        return self._handle(key).get_tensor(key)
-
-    def read_slice(self, key: str, index: tuple[slice, ...]) -> torch.Tensor:
-        """Only ``tensor[index]`` of a stored tensor (safetensors reads just those bytes)."""
-        if self._eager is not None:
-            return self._eager[key][index]
-        return self._handle(key).get_slice(key)[index]
-
-    def shape_of(self, key: str) -> tuple[int, ...]:
-        if self._eager is not None:
-            return tuple(self._eager[key].shape)
-        return tuple(self._handle(key).get_slice(key).get_shape())
-
-    def __contains__(self, key) -> bool:
-        return key in (self._eager if self._eager is not None else self._files)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._eager if self._eager is not None else self._files)
-
-    def __len__(self) -> int:
-        return len(self._eager if self._eager is not None else self._files)
-
-
-class StoredTensor:
-    """A tensor stored as-is (renamed only) under ``key`` in ``weights`` (an :class:`HFWeights` or a dict):
-    called, it reads the whole tensor; ``read_slice(index)`` reads just a block of it, which lets a
-    tensor-parallel or ZeRO rank read only its own shard (:mod:`dufu.parallel.materialize`)."""
-
-    def __init__(self, weights, key: str):
-        self.weights, self.key = weights, key
-
-    def __call__(self) -> torch.Tensor:
-        return self.weights[self.key]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        w = self.weights
-        return w.shape_of(self.key) if isinstance(w, HFWeights) else tuple(w[self.key].shape)
-
-    def read_slice(self, index: tuple[slice, ...]) -> torch.Tensor:
-        w = self.weights
-        return w.read_slice(self.key, index) if isinstance(w, HFWeights) else w[self.key][index]
 
 
 def hf_tensor_sources(adapter: HFMapping, module: nn.Module, path: str | Path) -> dict:

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dufu.models.base import contract_of
 from dufu.parallel.grads import tied_parameters
 from dufu.parallel.materialize import materialize_
 from dufu.parallel.parallelize import parallelize
@@ -87,7 +88,7 @@ def build_model_parts(
         schedule = build_schedule(pipeline_schedule, stages, num_microbatches, loss_fn)
     ordered = [parts[s] for s in sorted(parts)]
     tied_copies, tied = tied_parameters(ordered)
-    tied_group = tied_stage_group(mesh) if stage_ids is not None and getattr(model, "tie_word_embeddings", False) \
+    tied_group = tied_stage_group(mesh) if stage_ids is not None and contract_of(model).tie_word_embeddings \
         else None
     return ModelParts(ordered, schedule, 0 in parts, (num_stages - 1) in parts, tied_copies, tied, tied_group)
 

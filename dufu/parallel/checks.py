@@ -3,25 +3,29 @@
 from __future__ import annotations
 
 from dufu.errors import LayoutError
+from dufu.layers.attention import Attention
+from dufu.layers.embedding import HeadwiseEmbedding
+from dufu.models.base import contract_of
+from dufu.parallel.expert_parallel import check_experts_divisible, expert_modules
 from dufu.parallel.pipeline import SCHEDULES, block_containers, layer_stage_ids, pipeline_num_layers
+from dufu.parallel.tensor_parallel import tensor_parallel_plan
 
 
 def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microbatches: int) -> list[int] | None:
     """Raise LayoutError for a layout the model cannot take; return the layer -> stage ids under PP."""
     tp = dims.tensor_parallel_size
+    declared = contract_of(model)
     if tp > 1:
-        from dufu.parallel.tensor_parallel import tensor_parallel_plan
-
-        if not tensor_parallel_plan(model, bool(dist_cfg.get("sequence_parallel")), head=getattr(model, "lm_head", None)):
+        if not tensor_parallel_plan(model, bool(dist_cfg.get("sequence_parallel")), head=declared.output_head()):
             raise LayoutError(
                 f"tensor parallelism needs a model built from dufu layers (they declare how they split), but "
                 f"{type(model).__name__} declares no tensor-parallel style, so tensor_parallel_size {tp} would "
                 "only replicate it. Use data parallelism / ZeRO for this model, or a dufu model family."
             )
         sizes = {
-            "model.num_attention_heads": getattr(model, "num_attention_heads", None),
-            "model.hidden_size": getattr(model, "hidden_size", None),
-            "model.vocab_size (padded)": getattr(model, "vocab_size", None),
+            "model.num_attention_heads": declared.num_attention_heads,
+            "model.hidden_size": declared.hidden_size,
+            "model.vocab_size (padded)": declared.vocab_size,
         }
         ffn = kv_heads = None
         replicated = [n for n, m in model.named_modules() if getattr(m, "tensor_parallel_replicated", False)]
@@ -37,9 +41,6 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
         sizes["model.ffn_hidden_size"] = ffn
         if kv_heads is not None and kv_heads != sizes["model.num_attention_heads"]:
             sizes["model.num_key_value_heads"] = kv_heads
-        from dufu.layers.attention import Attention
-        from dufu.layers.embedding import HeadwiseEmbedding
-
         for name, m in model.named_modules():  # per module: Swin has a different head count per stage
             if isinstance(m, Attention):
                 sizes.setdefault(f"heads of {name}", m.num_heads)
@@ -57,8 +58,6 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
                     f"{value / tp:g} is not whole. Either {fix}, or change train.dist.tensor_parallel_size."
                 )
     if dims.expert_parallel_size > 1:
-        from dufu.parallel.expert_parallel import check_experts_divisible, expert_modules
-
         if not expert_modules(model):
             raise LayoutError(
                 f"train.dist.expert_parallel_size = {dims.expert_parallel_size}, but {type(model).__name__} has no "
@@ -66,10 +65,10 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
                 "(e.g. dufu train moe_debug).")
         check_experts_divisible(model, dims.expert_parallel_size)
     # The model's own refusal first: an image model has no sequence length to check.
-    if dist_cfg.get("sequence_parallel") and getattr(model, "sequence_parallel_unsupported_reason", ""):
+    if dist_cfg.get("sequence_parallel") and declared.sequence_parallel_unsupported_reason:
         raise LayoutError(
             f"{type(model).__name__} does not support sequence parallelism: "
-            f"{_sentence(model.sequence_parallel_unsupported_reason)} Set train.dist.sequence_parallel=False "
+            f"{_sentence(declared.sequence_parallel_unsupported_reason)} Set train.dist.sequence_parallel=False "
             "(tensor parallelism alone works)."
         )
     if tp > 1 and dist_cfg.get("sequence_parallel") and seq_length % tp != 0:
@@ -102,10 +101,10 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
     multi = SCHEDULES[schedule][1]
     if pp == 1:
         return None
-    if getattr(model, "pipeline_layout", None) is None:
-        reason = getattr(model, "pipeline_unsupported_reason", "") or "it declares no `pipeline_layout`"
+    if declared.pipeline_layout is None:
         raise LayoutError(
-            f"{type(model).__name__} cannot be split into pipeline stages: {_sentence(reason)} "
+            f"{type(model).__name__} cannot be split into pipeline stages: "
+            f"{_sentence(declared.pipeline_unsupported_reason)} "
             "Use data/tensor parallelism or ZeRO, i.e. pipeline_parallel_size=1."
         )
     if multi and v < 2:
@@ -123,7 +122,7 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
     if num_layers != model_layers:
         raise LayoutError(
             f"train.dist.pipeline_num_layers={num_layers} but the model has {model_layers} layers"
-            f"{' (encoder plus decoder blocks)' if len(block_containers(model.pipeline_layout)) > 1 else ''}; "
+            f"{' (encoder plus decoder blocks)' if len(block_containers(declared.pipeline_layout)) > 1 else ''}; "
             "leave it None or make them equal."
         )
     stages = pp * v
@@ -150,11 +149,11 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
 def check_context_parallel(cp: int, model, seq_length: int) -> None:
     """The family can be split by sequence (it says so: ``supports_context_parallel``), and the sequence into
     2 x cp load-balanced chunks (:mod:`dufu.parallel.context_parallel`)."""
-    if not getattr(model, "supports_context_parallel", False):
-        reason = getattr(model, "context_parallel_unsupported_reason", "") or (
-            "it does not declare that its layers take sequence chunks (supports_context_parallel)")
+    declared = contract_of(model)
+    if not declared.supports_context_parallel:
         raise LayoutError(
-            f"{type(model).__name__} cannot be split by context parallelism: {_sentence(reason)} "
+            f"{type(model).__name__} cannot be split by context parallelism: "
+            f"{_sentence(declared.context_parallel_unsupported_reason)} "
             "Set train.dist.context_parallel_size=1 (data, tensor and pipeline parallelism work).")
     if seq_length % (2 * cp):
         step = 2 * cp

@@ -28,7 +28,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dufu.data._cache import resolve_cache_dir
+from dufu.cache import resolve_cache_dir
 from dufu.parallel.parallelize_utils import transformer_blocks
 
 

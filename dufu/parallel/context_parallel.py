@@ -35,13 +35,17 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed._functional_collectives import all_gather_tensor, reduce_scatter_tensor
+
+from dufu.layers.attention import Attention
+from dufu.models.base import contract_of
 
 
 class ContextParallel:
     """One rank's view of its context-parallel group: which tokens it holds, how to split a batch, and attention
     over the whole sequence. ``group``: the cp process group (None for a test of one rank's arithmetic with
     ``gather`` given); ``size``, ``rank``: cp and this rank's place in it; ``positions``: the model's
-    ``default_position_ids(input_ids)`` (BERT, RoBERTa) or None for ``0 .. T-1``."""
+    ``default_position_ids(input_ids)`` (:func:`apply_context_parallel` sets it) or None for ``0 .. T-1``."""
 
     def __init__(self, group, size: int, rank: int, positions: Optional[Callable] = None,
                  gather: Optional[Callable] = None):
@@ -215,15 +219,11 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dim, group):
-        from torch.distributed._functional_collectives import all_gather_tensor
-
         ctx.dim, ctx.group = dim, group
         return _waited(all_gather_tensor(x.contiguous(), dim, group))
 
     @staticmethod
     def backward(ctx, grad):
-        from torch.distributed._functional_collectives import reduce_scatter_tensor
-
         return _waited(reduce_scatter_tensor(grad.contiguous(), "sum", ctx.dim, ctx.group)), None, None
 
 
@@ -235,29 +235,20 @@ def _waited(t: torch.Tensor) -> torch.Tensor:
 def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
     """Give every attention module of ``model`` (and the model itself, which then leaves the masks to them)
     the rank's :class:`ContextParallel`. The modules stay single-device code: they read the attribute."""
-    from dufu.layers.attention import Attention
-
     model.context_parallel = cp
-    # the batch's global positions are the model's own defaults (BERT, RoBERTa) or 0 .. T-1; a pipeline stage's
-    # part is of the model's class too
-    cp.positions = getattr(model, "default_position_ids", None)
+    # the batch's global positions are the model's own defaults (0 .. T-1; RoBERTa's skip padding); a pipeline
+    # stage's part is of the model's class too
+    cp.positions = contract_of(model).default_position_ids
     for module in model.modules():
         if isinstance(module, Attention):
             module.context_parallel = cp
     return model
 
 
-def context_parallel_of(module: nn.Module) -> Optional[ContextParallel]:
-    """The module's :class:`ContextParallel` when it is splitting sequences now (not paused), else None."""
-    cp = getattr(module, "context_parallel", None)
-    return cp if cp is not None and cp.active else None
-
-
-def build_context_parallel(trainer) -> Optional[ContextParallel]:
-    """The rank's :class:`ContextParallel` for a trainer whose ``dims`` have cp > 1 (else None): its group from the
-    ("pipeline", "data", "context", "tensor") mesh."""
-    dims = trainer.dims
+def build_context_parallel(dims, world) -> Optional[ContextParallel]:
+    """This rank's :class:`ContextParallel` when ``dims`` have cp > 1 (else None): its group from the context view
+    ("pipeline", "samples", "context", "tensor") of the run's mesh (:meth:`ParallelDims.build_world`)."""
     if not dims.cp_enabled:
         return None
-    mesh = dims.build_context_mesh(trainer.device.type)
+    mesh = world.context_mesh
     return ContextParallel(mesh.get_group("context"), dims.context_parallel_size, mesh.get_local_rank("context"))

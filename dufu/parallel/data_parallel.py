@@ -55,9 +55,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
+from dufu.models.base import contract_of
 from dufu.parallel.parallelize_utils import transformer_blocks
 
 
@@ -88,7 +90,7 @@ def _is_plain_embedding(module: nn.Module) -> bool:
 
 def end_units(model: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
     """(input embedding tables, output-end modules) that get FSDP units of their own; [] where absent."""
-    layout = getattr(model, "pipeline_layout", None) or {}
+    layout = contract_of(model).pipeline_layout or {}
     embeddings = [m for m in _present(model, layout.get("first", ())) if _is_plain_embedding(m)]
     blocks = {id(p) for _, b in transformer_blocks(model) for p in b.parameters()}
     last = [m for m in _present(model, layout.get("last", ())) if not any(id(p) in blocks for p in m.parameters())]
@@ -137,7 +139,7 @@ def untie_across_units(model: nn.Module, units: list[list[nn.Module]]) -> list[t
     """Give every tied parameter whose two users fall into different FSDP ``units`` a copy of its own (see the
     module docstring). Returns the (alias, source) pairs it untied."""
     pairs = []
-    for alias, source in getattr(model, "tied_parameter_names", {}).items():
+    for alias, source in contract_of(model).tied_parameter_names.items():
         try:
             a, s = model.get_parameter(alias), model.get_parameter(source)
         except AttributeError:
@@ -235,8 +237,6 @@ def apply_fsdp(model: nn.Module, dp_mesh, stage: int, mp_policy=None) -> nn.Modu
 
 
 def apply_replicate(model: nn.Module, dp_mesh) -> nn.Module:
-    from torch.distributed._composable.replicate_with_fsdp import replicate
-
     for _, block in transformer_blocks(model):
         replicate(block, mesh=dp_mesh)
     replicate(model, mesh=dp_mesh)

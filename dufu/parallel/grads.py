@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from dufu.models.base import contract_of
 from dufu.parallel import env
 
 
@@ -23,7 +24,7 @@ def tied_parameters(modules) -> tuple[list, list]:
     (TP and FSDP replace parameter objects, so they cannot carry flags). Sources come before copies."""
     copies, sources = [], []
     for m in modules:
-        for name, role in getattr(m, "tied_parameter_role", {}).items():
+        for name, role in contract_of(m).tied_parameter_role.items():
             p = m.get_parameter(name)
             (copies if role == "copy" else sources).append(p)
     return copies, sources + copies

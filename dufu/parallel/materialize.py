@@ -31,6 +31,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 
+from dufu.models.base import contract_of
 from dufu.models.hub import check_source_shape
 
 
@@ -46,7 +47,7 @@ def module_seed(seed: int, name: str) -> int:
 
 def supports_meta_init(model: nn.Module) -> bool:
     """True for models with a per-module initialisation rule (every dufu family)."""
-    return callable(getattr(model, "init_module", None))
+    return callable(contract_of(model).init_module)
 
 
 def _full_copy(module: nn.Module) -> nn.Module:
@@ -138,8 +139,7 @@ def materialize_(
     fails on any it lacks). A source value that already is a DTensor is the part's own
     (a new task head keeping its initialisation) and is left alone."""
     part.to_empty(device=device)
-    if hasattr(part, "tie_weights"):
-        part.tie_weights()
+    contract_of(part).tie_weights()
     what, source = pretrained(part) if pretrained is not None else ("", {})
     own = part.state_dict()  # after the source: an adapter may untie a head (T5), giving it its own tensor
     # A source value that is the part's own tensor (a new task head) keeps its initialisation.
@@ -162,6 +162,6 @@ def materialize_(
         value = value() if callable(value) else value
         check_source_shape(what, part, name, value, own[name])
         assign_full_(own[name], value)
-    if loaded and hasattr(part, "tie_weights"):
-        part.tie_weights()
+    if loaded:
+        contract_of(part).tie_weights()
     return part

@@ -11,8 +11,8 @@ dp=2, tp=2, pp=2::
 
 Context parallelism (``context_parallel_size``, cp) is a fourth factor of the world, dp x cp x tp x pp, between
 data and tensor: the trainer's 3-D mesh has a data axis of dp x cp ranks (cp inner), over which gradients are
-averaged and ZeRO shards (cp ranks hold the same parameters, as in torchtitan), and :meth:`build_context_mesh`
-sees the same ranks as ("pipeline", "data", "context", "tensor"). With 8 ranks and dp 2, cp 2, tp 2: context
+averaged and ZeRO shards (cp ranks hold the same parameters, as in torchtitan), and the context view of
+:meth:`build_world` sees the same ranks as ("pipeline", "samples", "context", "tensor"). With 8 ranks and dp 2, cp 2, tp 2: context
 groups [0,2] [1,3] [4,6] [5,7], data groups (the same samples' other half) [0,4] [1,5] [2,6] [3,7], gradient
 averaging over [0,2,4,6] and [1,3,5,7] (:mod:`dufu.parallel.context_parallel`).
 
@@ -43,14 +43,10 @@ class ParallelDims:
 
     @classmethod
     def from_config(cls, dist_cfg, world_size: int) -> "ParallelDims":
-        return cls(
-            data_parallel_size=dist_cfg.get("data_parallel_size", 1),
-            tensor_parallel_size=dist_cfg.get("tensor_parallel_size", 1),
-            pipeline_parallel_size=dist_cfg.get("pipeline_parallel_size", 1),
-            world_size=world_size,
-            expert_parallel_size=dist_cfg.get("expert_parallel_size", 1),
-            context_parallel_size=dist_cfg.get("context_parallel_size", 1),
-        )
+        """From ``train.dist`` (the degrees are its keys of the same names; other keys are not degrees)."""
+        sizes = ("data_parallel_size", "tensor_parallel_size", "pipeline_parallel_size", "expert_parallel_size",
+                 "context_parallel_size")
+        return cls(world_size=world_size, **{name: dist_cfg[name] for name in sizes if name in dist_cfg})
 
     def _resolve(self) -> None:
         names = ("data_parallel_size", "context_parallel_size", "tensor_parallel_size", "pipeline_parallel_size")
@@ -156,27 +152,30 @@ class ParallelDims:
             mesh_dim_names=("pipeline", "data", "tensor"),
         )
 
-    def build_expert_mesh(self, device_type: str):
-        """The 4-D mesh ("pipeline", "expert_data", "expert", "tensor") over the same ranks as :meth:`build_mesh`,
-        its data axis seen as dp / ep x ep. A mesh of its own: the experts' DTensors and their data-parallel
-        units (FSDP2 needs both on one root mesh) live on it; everything else on the 3-D mesh."""
-        from torch.distributed.device_mesh import init_device_mesh
+    def build_world(self, device_type: str) -> "World":
+        """The run's one device mesh (:meth:`build_mesh`) and the named views of its data axis, unflattened from it
+        (torchtitan's way: one root mesh, its process groups created once):
 
+        * context parallelism: ("pipeline", "samples", "context", "tensor"), the data axis seen as dp x cp (cp
+          inner): the context-parallel groups, and each rank's sample rank;
+        * expert parallelism: ("pipeline", "expert_data", "expert", "tensor"), the data axis seen as dp / ep x ep
+          (ep inner): the experts' DTensors and their data-parallel units live on it (FSDP2 needs both on one
+          root mesh), everything else on the 3-D mesh.
+        """
+        mesh = self.build_mesh(device_type)
+        context = (mesh._unflatten("data", (self.data_parallel_size, self.context_parallel_size),
+                                   ("samples", "context")) if self.cp_enabled else None)
         ep = self.expert_parallel_size
-        return init_device_mesh(
-            device_type,
-            (self.pipeline_parallel_size, self.data_parallel_size // ep, ep, self.tensor_parallel_size),
-            mesh_dim_names=("pipeline", "expert_data", "expert", "tensor"),
-        )
+        expert = (mesh._unflatten("data", (self.data_parallel_size // ep, ep), ("expert_data", "expert"))
+                  if self.ep_enabled else None)
+        return World(mesh, context, expert)
 
-    def build_context_mesh(self, device_type: str):
-        """The 4-D mesh ("pipeline", "data", "context", "tensor") over the same ranks as :meth:`build_mesh`, its
-        data axis seen as dp x cp: the context-parallel groups (``["context"]``) and each rank's sample rank."""
-        from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(
-            device_type,
-            (self.pipeline_parallel_size, self.data_parallel_size, self.context_parallel_size,
-             self.tensor_parallel_size),
-            mesh_dim_names=("pipeline", "data", "context", "tensor"),
-        )
+@dataclass
+class World:
+    """The device meshes of a run, all views of one root mesh (:meth:`ParallelDims.build_world`); the context and
+    expert views are None when that parallelism is off."""
+
+    mesh: object  # DeviceMesh ("pipeline", "data", "tensor")
+    context_mesh: Optional[object] = None  # ("pipeline", "samples", "context", "tensor")
+    expert_mesh: Optional[object] = None  # ("pipeline", "expert_data", "expert", "tensor")

@@ -38,6 +38,7 @@ import torch
 from torch import nn
 
 from dufu.errors import LayoutError
+from dufu.models.base import contract_of
 
 # name -> (torch.distributed.pipelining class, several stages per rank). Names, not classes: importing
 # torch.distributed.pipelining pulls in torch._dynamo (~1.5 s), which the launcher's checks do not need.
@@ -85,13 +86,15 @@ def block_containers(layout: dict) -> tuple[str, ...]:
 def pipeline_blocks(model: nn.Module) -> list[tuple[str, str]]:
     """``(container, key)`` of every block in stage order: ``layout["blocks"]`` names one ``ModuleDict`` or
     several (an encoder's then a decoder's), whose blocks follow each other in that order."""
-    return [(c, k) for c in block_containers(model.pipeline_layout) for k in model.get_submodule(c).keys()]
+    layout = contract_of(model).pipeline_layout
+    return [(c, k) for c in block_containers(layout) for k in model.get_submodule(c).keys()]
 
 
 def pipeline_num_layers(model: nn.Module) -> int | None:
     """The number of blocks the pipeline places on stages (encoder plus decoder blocks for T5)."""
-    if getattr(model, "pipeline_layout", None) is None:
-        return getattr(model, "num_layers", None)
+    declared = contract_of(model)
+    if declared.pipeline_layout is None:
+        return declared.num_layers
     return len(pipeline_blocks(model))
 
 
@@ -114,12 +117,12 @@ def build_stage_module(model: nn.Module, stage: int, num_stages: int, stage_ids:
 
     Its forward (or its ``pipeline_forward``, see the module docstring) must accept what the stage before
     returned when the first-stage modules are None, and return plain tensors when ``return_dict`` is False."""
-    layout = getattr(model, "pipeline_layout", None)
+    declared = contract_of(model)
+    layout = declared.pipeline_layout
     if layout is None:
-        reason = getattr(model, "pipeline_unsupported_reason", "") or (
-            "it declares no `pipeline_layout` (pipeline parallelism needs a model built from dufu layers).")
+        reason = declared.pipeline_unsupported_reason.strip().rstrip(".")
         raise LayoutError(
-            f"{type(model).__name__} cannot be split into pipeline stages: {reason} "
+            f"{type(model).__name__} cannot be split into pipeline stages: {reason}. "
             "Use data/tensor parallelism or ZeRO, i.e. pipeline_parallel_size=1."
         )
     order = pipeline_blocks(model)
@@ -133,7 +136,7 @@ def build_stage_module(model: nn.Module, stage: int, num_stages: int, stage_ids:
         if owner[(container, key)] != stage:
             del module.get_submodule(container)[key]
     first, last = stage == 0, stage == num_stages - 1
-    tied = getattr(model, "tie_word_embeddings", False)
+    tied = bool(declared.tied_parameter_names)  # a head that is the embedding (T5Model ties, but has no head)
     if not first:
         for attr in layout["first"]:
             _drop(module, attr)
@@ -153,7 +156,7 @@ def build_stage_module(model: nn.Module, stage: int, num_stages: int, stage_ids:
     if tied and first and not last:
         module.tied_parameter_role = {"wte.weight": "source"}
     module.return_dict = False
-    stage_forward = getattr(module, "pipeline_forward", None)
+    stage_forward = contract_of(module).pipeline_forward
     if stage_forward is not None:
         module.forward = stage_forward  # torch's PipelineStage calls the module: module(*received, **inputs)
     if not last:
@@ -190,7 +193,7 @@ def split_pipeline_batch(model: nn.Module, inputs: dict, main_input_name: str) -
             f"the first pipeline stage takes the model's main input {main_input_name!r}, but the batch has only "
             f"{sorted(inputs)}. Check that the dataset matches the model."
         )
-    prepare = getattr(model, "prepare_decoder_input_ids_from_labels", None)
+    prepare = contract_of(model).prepare_decoder_input_ids_from_labels
     if prepare is not None and "decoder_input_ids" not in inputs and labels is not None:
         inputs["decoder_input_ids"] = prepare(labels=labels)
     first = (inputs.pop(main_input_name),)
@@ -198,7 +201,7 @@ def split_pipeline_batch(model: nn.Module, inputs: dict, main_input_name: str) -
 
 
 def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn):
-    import torch.distributed.pipelining as pipelining
+    import torch.distributed.pipelining as pipelining  # here, not at the top: ~1.5 s (see SCHEDULES)
 
     class_name, multi = SCHEDULES[name]
     cls = getattr(pipelining, class_name)
@@ -208,7 +211,7 @@ def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn):
 
 
 def make_stages(stage_modules: dict[int, nn.Module], num_stages: int, device: torch.device, group) -> list:
-    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import PipelineStage  # here, not at the top: ~1.5 s (see SCHEDULES)
 
     return [
         PipelineStage(module, stage_index=idx, num_stages=num_stages, device=device, group=group)

@@ -54,6 +54,7 @@ from dufu.delta.prefix import ShardHeads
 from dufu.errors import LayoutError
 from dufu.layers.embedding import PositionEmbedding, VocabEmbedding
 from dufu.layers.linear import Linear
+from dufu.models.base import contract_of
 
 
 def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head: nn.Module | None = None) -> dict:
@@ -114,12 +115,9 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = False) -> nn.Module:
     """Shard ``model`` over ``tp_mesh`` in place. Tied input/output embeddings stay tied."""
-    head = getattr(model, "lm_head", None)
-    tied = (
-        head is not None
-        and getattr(model, "wte", None) is not None
-        and head.weight is model.wte.weight
-    )
+    declared = contract_of(model)
+    head, wte = declared.output_head(), declared.token_embedding()
+    tied = head is not None and wte is not None and head.weight is wte.weight
     plan = tensor_parallel_plan(model, sequence_parallel, head=head)
     frozen = {n for n, p in model.named_parameters() if not p.requires_grad}  # a delta run's frozen base
     parallelize_module(model, tp_mesh, plan)
@@ -133,5 +131,5 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh, sequence_parallel: bool = F
     if tied:
         # Both styles split the (vocab, hidden) table along the vocabulary (Shard(0)), so the
         # embedding's sharded parameter serves the head unchanged.
-        model.lm_head.weight = model.wte.weight
+        head.weight = wte.weight
     return model

@@ -11,7 +11,7 @@ communication on a device (:mod:`dufu.plan.timing`, :mod:`dufu.plan.comm`, :mod:
 docs/plan.md has the formulas, their sources and the check against published cluster results.
 """
 
-from dufu.config.overrides import AUTO_KEYS
+from dufu.engine.schema import AUTO_KEYS
 from dufu.plan.cpu import measured_cpu
 from dufu.plan.hardware import CATALOG, Hardware, get_hardware
 from dufu.plan.layout import Layout

@@ -15,7 +15,7 @@ from typing import Optional
 from dufu.errors import LayoutError
 from dufu.plan.cpu import measured_cpu
 from dufu.plan.hardware import CATALOG, Hardware
-from dufu.config.overrides import auto_layout_keys
+from dufu.engine.schema import auto_layout_keys
 
 
 def has_auto(cfg) -> bool:
@@ -30,7 +30,7 @@ def hardware_for_run(cfg) -> Hardware:
 
     import torch
 
-    device = cfg.train.get("device", "auto")
+    device = cfg.train.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if not str(device).startswith("cuda"):
@@ -64,7 +64,7 @@ def resolve_auto_layout(cfg, world_size: int, hardware: Optional[Hardware] = Non
     from dufu.plan.report import _bytes, _seconds, layout_text
     from dufu.plan.search import search
 
-    requested = cfg.train.dist.get("auto", False) is True
+    requested = cfg.train.dist.auto is True
     hw = hardware or hardware_for_run(cfg)
     plan = search(cfg, world_size, hw)
     best = plan.best
@@ -113,7 +113,7 @@ def _apply(cfg, layout: dict) -> None:
     if cp > 1 or "context_parallel_size" in d:
         d.context_parallel_size = cp
     t.train_micro_batch_size = layout["micro_batch_size"]
-    if t.get("global_batch_size") is None:
+    if t.global_batch_size is None:
         t.num_accumulation_steps = layout["num_accumulation_steps"]
     t.zero_optimization.enabled = bool(layout["zero_stage"])
     t.zero_optimization.stage = layout["zero_stage"] or 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 
-from dufu.config.overrides import is_auto
+from dufu.engine.schema import is_auto
 from dufu.errors import ConfigError, DufuError
 from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
 from dufu.plan.shapes import ModelInfo
@@ -74,19 +74,19 @@ def structures(cfg, world_size: int, autos: list[str], info: ModelInfo, cps=None
     def options(key: str, fixed, candidates):
         return candidates if key in autos else [fixed]
 
-    tps = options("train.dist.tensor_parallel_size", d.get("tensor_parallel_size", 1), _divisors(world_size))
-    pps = options("train.dist.pipeline_parallel_size", d.get("pipeline_parallel_size", 1),
+    tps = options("train.dist.tensor_parallel_size", d.tensor_parallel_size, _divisors(world_size))
+    pps = options("train.dist.pipeline_parallel_size", d.pipeline_parallel_size,
                   [p for p in _divisors(world_size) if p <= max(info.num_layers, 1)])
-    dps = options("train.dist.data_parallel_size", d.get("data_parallel_size", 1), [None])
-    schedule = d.get("pipeline_schedule", "1f1b")
+    dps = options("train.dist.data_parallel_size", d.data_parallel_size, [None])
+    schedule = d.pipeline_schedule
     zero = t.zero_optimization
     zeros = options("train.zero_optimization.stage", int(zero.stage) if zero.enabled else 0, [0, 2, 3])
-    mode = t.activation_checkpoint.get("mode", "selective")
+    mode = t.activation_checkpoint.mode
     ckpts = options("train.activation_checkpoint.enabled", mode if t.activation_checkpoint.enabled is True else False,
                     [False, mode])
     if cps is None:
-        cps = (context_parallel_sizes(world_size, info.seq_length, every=is_auto(d.get("context_parallel_size")))
-               if CP_KEY in autos else [d.get("context_parallel_size", 1)])
+        cps = (context_parallel_sizes(world_size, info.seq_length, every=is_auto(d.context_parallel_size))
+               if CP_KEY in autos else [d.context_parallel_size])
     for tp, pp, cp, dp_value in itertools.product(tps, pps, cps, dps):
         if any(is_auto(x) for x in (tp, pp, cp)):
             continue
@@ -95,16 +95,16 @@ def structures(cfg, world_size: int, autos: list[str], info: ModelInfo, cps=None
         if degrees is None:
             continue
         dp, tp, pp, cp = degrees
-        sps = options("train.dist.sequence_parallel", bool(d.get("sequence_parallel", False)),
+        sps = options("train.dist.sequence_parallel", bool(d.sequence_parallel),
                       [False, True] if tp > 1 else [False])
         if "train.dist.virtual_pipeline_size" in autos:
             vs = [1] + ([v for v in range(2, 9) if info.num_layers % (pp * v) == 0] if pp > 1 else [])
         else:
-            vs = [int(d.get("virtual_pipeline_size", 1) or 1)]
+            vs = [int(d.virtual_pipeline_size or 1)]
         if EP_KEY in autos:
             eps = info.expert_parallel_sizes(dp)
         else:
-            eps = [fixed_int(d.get("expert_parallel_size", 1), EP_KEY)]
+            eps = [fixed_int(d.expert_parallel_size, EP_KEY)]
         for sp, v, z, ck, ep in itertools.product(sps, vs, zeros if dp * cp > 1 else [0], ckpts, eps):
             if is_auto(v):
                 continue

@@ -1,14 +1,25 @@
-"""This machine's CPU as a device of the cost model: measured, once, and cached (see :mod:`dufu.plan.hardware`)."""
+"""This machine's CPU as a device of the cost model: measured, once, and cached (what is measured:
+:mod:`dufu.plan.hardware`; the record it fills: :class:`dufu.plan.device.Hardware`)."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
-from dufu.plan.hardware import GB, Hardware
+import torch
+import torch.nn.functional as F
+
+from dufu.cache import file_lock, resolve_cache_dir
+from dufu.engine.flops import _cpu_name, device_peak_flops
+from dufu.models.gpt import GPTModel
+from dufu.plan.device import GB, Hardware
 
 # The matmul shapes the CPU probe times, (m, n, k): a large square, then the small dimensions a transformer's
 # projections meet (few tokens per micro-batch; a head's width).
@@ -27,18 +38,12 @@ _DTENSOR_OP_FACTOR = 12.0
 
 
 def _cpu_key() -> str:
-    import torch
-
-    from dufu.engine.flops import _cpu_name
-
     return f"{_cpu_name()}|cores={os.cpu_count()}|torch={torch.__version__}|probe={_PROBE_VERSION}"
 
 
 def measured_cpu(remeasure: bool = False) -> Hardware:
     """This machine's CPU as a :class:`Hardware`: measured once (about two seconds) and cached. Concurrent callers
     (every rank of a job) wait for one measurement and read the same figures."""
-    from dufu.data._cache import file_lock, resolve_cache_dir
-
     cache = resolve_cache_dir() / _CACHE_FILE
     key = _cpu_key()
 
@@ -138,8 +143,6 @@ def _best_time(fn, repeats: int = 3) -> float:
 def _fit_half_size(rates: dict, peak: float) -> float:
     """The d0 of rate(m, n, k) = peak * f(m) f(n) f(k) / f(1024)^3, f(d) = d / (d + d0), closest (in log) to the
     measured rates."""
-    import math
-
     best, best_err = 1.0, float("inf")
     for d0 in [0.0] + [2 ** (i / 8) for i in range(0, 96)]:
         f = lambda d: d / (d + d0)  # noqa: E731
@@ -159,10 +162,6 @@ def probe_cpu() -> dict:
     worker one OpenMP thread), where readings hold still on a shared machine. The all-cores rate of a one-process
     run is the large matmul's best ever seen on all cores (:func:`dufu.engine.flops.device_peak_flops` keeps it,
     this reading included): a reading taken while other processes share the cores is low and must not stick."""
-    import torch
-
-    from dufu.engine.flops import _cpu_name, device_peak_flops
-
     cores = os.cpu_count() or 1
     threads_before = torch.get_num_threads()
     record = {"cpu": _cpu_name(), "cores": cores, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
@@ -206,9 +205,6 @@ def _op_rates(gemm_peak: float) -> dict:
     """One thread's rates of the ops besides matmuls, on tensors the size of a small model's activations (4 MB):
     simple elementwise ops, ops with transcendentals, fused attention (as a fraction of the matmul peak), fused
     AdamW and a large copy (bytes read + written per second)."""
-    import torch
-    import torch.nn.functional as F
-
     n = 1 << 20
     x, y = torch.randn(n), torch.randn(n)
     out = torch.empty(n)
@@ -258,10 +254,6 @@ def _op_rates(gemm_peak: float) -> dict:
 def _calibration_step() -> float:
     """Seconds of one forward + backward of :data:`CALIBRATION_MODEL` (the best of five: other work on a shared
     machine only ever slows a step down), on the current threads."""
-    import torch
-
-    from dufu.models.gpt import GPTModel
-
     torch.manual_seed(0)
     model = GPTModel(**CALIBRATION_MODEL)
     b, t = CALIBRATION_BATCH
@@ -275,8 +267,6 @@ def _calibration_step() -> float:
 
 def _op_overhead() -> float:
     """Seconds of host time per op of a training step on tiny tensors: forward with autograd, and its backward."""
-    import torch
-
     x = torch.ones(8, requires_grad=True)
     chain = 64
 
@@ -338,8 +328,6 @@ print(json.dumps(out))
 
 
 def _free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -352,9 +340,6 @@ def _gloo_probe() -> tuple:
     all-reduce follows some computation, as in a training step, and the mean is
     taken: the rank that arrives first waits, and waking it costs time. (Back-to-back all-reduces between two
     threads of one process read several times faster than what a step sees.)"""
-    import subprocess
-    import sys
-
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     procs = [subprocess.Popen([sys.executable, "-c", _GLOO_WORKER, str(r), str(port)], stdout=subprocess.PIPE,

@@ -1,10 +1,12 @@
-"""A candidate layout and the run settings that do not change between candidates, read from a config."""
+"""A candidate layout and the run settings that do not change between candidates, read from a config; a layout
+in one line of dufu's words (:func:`layout_text`)."""
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Optional
 
+from dufu.engine.precision import MIN_SPEEDUP
 from dufu.errors import ConfigError
 
 MULTI_STAGE_SCHEDULES = ("interleaved_1f1b", "interleaved_zero_bubble")
@@ -109,8 +111,6 @@ class Setup:
 def choose_dtype(amp_enabled, amp_dtype: str, hardware) -> tuple[str, str]:
     """The dtype a run trains in, as :func:`dufu.engine.precision.choose_precision` decides it, from the device's
     figures instead of a measurement at start-up."""
-    from dufu.engine.precision import MIN_SPEEDUP
-
     if amp_enabled is False:
         return "fp32", "train.amp.enabled=False"
     if amp_enabled is True:
@@ -126,11 +126,31 @@ def choose_dtype(amp_enabled, amp_dtype: str, hardware) -> tuple[str, str]:
 
 def setup_from_config(cfg, hardware) -> Setup:
     t = cfg.train
-    dtype, reason = choose_dtype(t.amp.enabled, t.amp.get("dtype", "bf16"), hardware)
-    mode = t.activation_checkpoint.get("mode", "selective")
+    dtype, reason = choose_dtype(t.amp.enabled, t.amp.dtype, hardware)
+    mode = t.activation_checkpoint.mode
     if mode not in ("selective", "full"):
         raise ConfigError(f"train.activation_checkpoint.mode={mode!r}: use 'selective' or 'full'.")
-    return Setup(dtype, reason, t.get("global_batch_size"), t.get("num_accumulation_steps"), mode,
-                 bool(t.amp.get("cache_weight_casts", True)), t.dist.get("custom_pipeline_stage_id"),
-                 t.dist.get("pipeline_schedule", "1f1b"), bool(t.get("clip_grad_norm")),
-                 t.get("compile", {}).get("enabled", "auto"))
+    return Setup(dtype, reason, t.global_batch_size, t.num_accumulation_steps, mode,
+                 bool(t.amp.cache_weight_casts), t.dist.custom_pipeline_stage_id,
+                 t.dist.pipeline_schedule, bool(t.clip_grad_norm),
+                 t.compile.enabled)
+
+
+def layout_text(layout: dict) -> str:
+    """A layout in one line, with dufu's words."""
+    cp = layout.get("context_parallel_size", 1)
+    text = (f"dp {layout['data_parallel_size']}{f' x cp {cp}' if cp > 1 else ''} x tp "
+            f"{layout['tensor_parallel_size']} x pp {layout['pipeline_parallel_size']}")
+    extras = []
+    if layout.get("expert_parallel_size", 1) > 1:
+        extras.append(f"experts over ep {layout['expert_parallel_size']}")
+    if layout.get("sequence_parallel"):
+        extras.append("sequence parallel")
+    if layout["pipeline_parallel_size"] > 1:
+        v = layout.get("virtual_pipeline_size", 1)
+        extras.append(f"{layout.get('pipeline_schedule', '1f1b')}" + (f" (v {v})" if v > 1 else ""))
+    extras.append(f"micro-batch {layout['micro_batch_size']} x {layout['num_accumulation_steps']}")
+    extras.append(f"ZeRO {layout['zero_stage']}" if layout["zero_stage"] else "ZeRO off")
+    ckpt = layout.get("activation_checkpoint")
+    extras.append(f"{ckpt} checkpointing" if ckpt else "no checkpointing")
+    return text + "; " + ", ".join(extras)

@@ -11,9 +11,16 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from dufu.layers.embedding import VocabEmbedding
+from dufu.layers.linear import Linear
+from dufu.layers.moe import MoE
+from dufu.models.base import contract_of
+from dufu.parallel.parallelize_utils import transformer_blocks
+from dufu.parallel.tensor_parallel import tensor_parallel_plan
 from dufu.plan.context import COLLECTIVES
-from dufu.plan.experts import MoERecording
+from dufu.plan.experts import MoERecording, expert_modules
 from dufu.plan.shapes import (DTYPE_NAMES, Attention, Gemm, PartOps, _ATTENTION, _GEMMS, _HEAVY, _MATERIALIZING,
                               _SKIP)
 
@@ -22,8 +29,6 @@ class Recorder(MoERecording):
     """The dispatch mode (and module hooks) that record a traced step; see the module docstring."""
 
     def __init__(self, model: nn.Module, mode, ep: int = 1):
-        from dufu.parallel.parallelize_utils import transformer_blocks
-
         self.model, self.fake_mode = model, mode
         self.blocks = [b for _, b in transformer_blocks(model)]
         self.part = 0
@@ -51,9 +56,7 @@ class Recorder(MoERecording):
         self.moe_stack: list = []
         self.experts_calls: list = []
         self.kv_gathers: list = []  # context parallelism's K/V collectives (dufu.plan.context)
-        from dufu.parallel.tensor_parallel import tensor_parallel_plan
-
-        head = getattr(model, "lm_head", None)
+        head = contract_of(model).output_head()
         self.head = head
         plan = tensor_parallel_plan(model, False, head=head)
         styled = {}
@@ -69,16 +72,11 @@ class Recorder(MoERecording):
 
     # ---------------------------------------------------------------- module hooks: parts and Linear calls
     def install(self) -> None:
-        from dufu.layers.embedding import VocabEmbedding
-        from dufu.layers.linear import Linear
-
         for i, block in enumerate(self.blocks):
             self.handles.append(block.register_forward_pre_hook(self._enter_part(1 + i)))
             self.handles.append(block.register_forward_hook(self._leave_block(1 + i)))
             self.handles.append(block.register_full_backward_pre_hook(self._enter_part_bwd(1 + i)))
             self.handles.append(block.register_full_backward_hook(self._leave_part_bwd(1 + i)))
-        from dufu.layers.moe import MoE
-
         for module in self.model.modules():
             if isinstance(module, (Linear, VocabEmbedding)) or getattr(module, "tensor_parallel_input", None):
                 self.handles.append(module.register_forward_pre_hook(self._push, with_kwargs=True))
@@ -126,9 +124,6 @@ class Recorder(MoERecording):
         self.module_stack.append(module)
 
     def _pop(self, module, args, kwargs, output):
-        from dufu.layers.embedding import VocabEmbedding
-        from dufu.layers.linear import Linear
-
         self.module_stack.pop()
         if not isinstance(module, (Linear, VocabEmbedding)):
             return
@@ -162,8 +157,6 @@ class Recorder(MoERecording):
 
     # ------------------------------------------------------------------------------------- the dispatch mode
     def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-
         rec = self
         self._step_token = object()
 
@@ -351,8 +344,6 @@ class Recorder(MoERecording):
     def end_backward(self) -> None:
         self._poll_frees()
         grads = {p.grad.untyped_storage()._cdata for p in self.model.parameters() if p.grad is not None}
-        from dufu.plan.experts import expert_modules
-
         expert_grads = {p.grad.untyped_storage()._cdata for m in expert_modules(self.model) for p in m.parameters()
                         if p.grad is not None}
         for c, (s, sid) in self.live.items():

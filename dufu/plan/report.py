@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+
+from dufu.plan.device import as_dict
+from dufu.plan.layout import layout_text
 from dufu.plan.memory import KEYS
 from dufu.plan.search import Estimate, Plan
 
@@ -32,26 +35,6 @@ def _seconds(s: float) -> str:
     if s >= 1:
         return f"{s:,.2f} s"
     return f"{s * 1e3:,.1f} ms"
-
-
-def layout_text(layout: dict) -> str:
-    """A layout in one line, with dufu's words."""
-    cp = layout.get("context_parallel_size", 1)
-    text = (f"dp {layout['data_parallel_size']}{f' x cp {cp}' if cp > 1 else ''} x tp "
-            f"{layout['tensor_parallel_size']} x pp {layout['pipeline_parallel_size']}")
-    extras = []
-    if layout.get("expert_parallel_size", 1) > 1:
-        extras.append(f"experts over ep {layout['expert_parallel_size']}")
-    if layout.get("sequence_parallel"):
-        extras.append("sequence parallel")
-    if layout["pipeline_parallel_size"] > 1:
-        v = layout.get("virtual_pipeline_size", 1)
-        extras.append(f"{layout.get('pipeline_schedule', '1f1b')}" + (f" (v {v})" if v > 1 else ""))
-    extras.append(f"micro-batch {layout['micro_batch_size']} x {layout['num_accumulation_steps']}")
-    extras.append(f"ZeRO {layout['zero_stage']}" if layout["zero_stage"] else "ZeRO off")
-    ckpt = layout.get("activation_checkpoint")
-    extras.append(f"{ckpt} checkpointing" if ckpt else "no checkpointing")
-    return text + "; " + ", ".join(extras)
 
 
 def breakdown(est: Estimate) -> str:
@@ -119,15 +102,13 @@ def to_json(plan: Plan, hardware=None) -> str:
         "notes": list(plan.notes),
     }
     if hardware is not None:
-        from dufu.plan.hardware import as_dict
-
         data["hardware"] = as_dict(hardware)
     return json.dumps(data, indent=1, default=str)
 
 
 def plot_memory(plan: Plan, path: str, top: int = 8) -> str:
     """Stacked bars of the per-device peak memory of the first ``top`` layouts against the device's limit."""
-    import matplotlib
+    import matplotlib  # here, not at the top: about a second to import, for --plot only
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,6 +1,6 @@
 """``estimate`` one layout, ``search`` the layouts a config leaves ``auto``.
 
-A search enumerates every combination of the ``auto`` fields (:data:`dufu.config.overrides.AUTO_KEYS`), drops those
+A search enumerates every combination of the ``auto`` fields (:data:`dufu.engine.schema.AUTO_KEYS`), drops those
 dufu would refuse at start-up (:func:`dufu.parallel.checks.validate_layout`, the same check ``dufu train`` runs,
 with the same message: heads, hidden size, vocabulary, layers per stage, micro-batches per pipeline), estimates the
 rest and ranks those that fit by predicted throughput (tokens, or samples, per second: layouts that differ in
@@ -28,12 +28,17 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+from dufu.config import LazyConfig
+from dufu.engine.validate import resolve_batch_sizes
 from dufu.errors import ConfigError, DufuError, LayoutError
+from dufu.models.base import contract_of
+from dufu.parallel.checks import validate_layout
+from dufu.parallel.parallel_dims import ParallelDims
 from dufu.plan.hardware import Hardware, get_hardware
-from dufu.config.overrides import AUTO_KEYS, is_auto
+from dufu.engine.schema import AUTO_KEYS, is_auto
 from dufu.plan.candidates import (CP_KEY, EP_KEY, context_parallel_sizes, fixed_int, pipeline_counts_differ,
                                   structures, with_micro_batches)
-from dufu.plan.layout import Layout, Setup, setup_from_config
+from dufu.plan.layout import Layout, Setup, layout_text, setup_from_config
 from dufu.plan.memory import KEYS, estimate_memory
 from dufu.plan.shapes import ModelInfo, build_model_info
 from dufu.plan.trace import get_trace
@@ -73,8 +78,6 @@ class Estimate:
         return self.tokens_per_s
 
     def layout_summary(self) -> str:
-        from dufu.plan.report import layout_text
-
         return layout_text(self.layout)
 
     def as_dict(self) -> dict:
@@ -134,10 +137,10 @@ def _get(node, dotted: str):
 def auto_fields(cfg) -> list[str]:
     """The searchable keys whose value is ``auto``. ``train.dist.auto=True`` makes all of them auto, the micro-batch
     size only when ``train.global_batch_size`` fixes the batch it divides."""
-    if bool(cfg.train.dist.get("auto", False)) is True:
+    if cfg.train.dist.auto is True:
         # the expert-parallel size only for MoE (_with_experts), the context-parallel size by its rule (_context_pass)
         keys = [k for k in AUTO_KEYS if k not in (EP_KEY, CP_KEY)]
-        if cfg.train.get("global_batch_size") is None and not is_auto(cfg.train.train_micro_batch_size):
+        if cfg.train.global_batch_size is None and not is_auto(cfg.train.train_micro_batch_size):
             keys.remove("train.train_micro_batch_size")
         return keys + [k for k in (EP_KEY, CP_KEY) if is_auto(_get(cfg, k))]
     return [k for k in dict.fromkeys(AUTO_KEYS + (EP_KEY,)) if is_auto(_get(cfg, k))]
@@ -146,7 +149,7 @@ def auto_fields(cfg) -> list[str]:
 def _with_experts(cfg, autos: list[str], info: ModelInfo) -> list[str]:
     """``autos`` plus the expert-parallel size when ``train.dist.auto=True`` leaves it to the search of a MoE
     model."""
-    if info.expert_counts and EP_KEY not in autos and bool(cfg.train.dist.get("auto", False)) is True:
+    if info.expert_counts and EP_KEY not in autos and cfg.train.dist.auto is True:
         return autos + [EP_KEY]
     return autos
 
@@ -163,34 +166,28 @@ def _dist_cfg(cfg, layout: Layout) -> dict:
 
 def check_layout(info: ModelInfo, cfg, layout: Layout) -> None:
     """Raise LayoutError exactly where ``dufu train`` would, for ``layout`` on ``info``'s model."""
-    from dufu.parallel.checks import validate_layout
-    from dufu.parallel.parallel_dims import ParallelDims
-
     dims = ParallelDims(layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size,
                         layout.world_size, layout.expert_parallel_size, layout.context_parallel_size)
     zero_cfg = {"enabled": bool(layout.zero_stage), "stage": layout.zero_stage or 1}
     stage_ids = validate_layout(dims, info.model, _dist_cfg(cfg, layout), zero_cfg, info.seq_length,
                                 layout.num_accumulation_steps)
-    if stage_ids is not None and getattr(type(info.model), "pipeline_loss", None) is None:
+    if stage_ids is not None and contract_of(info.model).pipeline_loss is None:
         raise LayoutError(f"{info.name} defines no `pipeline_loss`; use pipeline_parallel_size=1.")
 
 
 def layout_from_config(cfg, world_size: int) -> Layout:
     """The layout a config without ``auto`` values runs on ``world_size`` processes."""
-    from dufu.engine.validate import resolve_batch_sizes
-    from dufu.parallel.parallel_dims import ParallelDims
-
     t = cfg.train
     dims = ParallelDims.from_config(t.dist, world_size)
     micro = fixed_int(t.train_micro_batch_size, "train.train_micro_batch_size")
-    micro, global_, accum = resolve_batch_sizes(micro, t.get("global_batch_size"), t.get("num_accumulation_steps"),
+    micro, global_, accum = resolve_batch_sizes(micro, t.global_batch_size, t.num_accumulation_steps,
                                                 dims.data_parallel_size)
     zero = t.zero_optimization
     ckpt = t.activation_checkpoint
     return Layout(dims.data_parallel_size, dims.tensor_parallel_size, dims.pipeline_parallel_size,
-                  bool(t.dist.get("sequence_parallel", False)), int(t.dist.get("virtual_pipeline_size", 1) or 1),
-                  t.dist.get("pipeline_schedule", "1f1b"), micro, accum, global_,
-                  int(zero.stage) if zero.enabled else 0, ckpt.get("mode", "selective") if ckpt.enabled else False,
+                  bool(t.dist.sequence_parallel), int(t.dist.virtual_pipeline_size or 1),
+                  t.dist.pipeline_schedule, micro, accum, global_,
+                  int(zero.stage) if zero.enabled else 0, ckpt.mode if ckpt.enabled else False,
                   dims.expert_parallel_size, dims.context_parallel_size)
 
 
@@ -313,7 +310,7 @@ def search(cfg, world_size: int, hardware="cpu", hardware_files=None, max_micro_
                 if not est.fits:
                     break  # a larger micro-batch only needs more memory
 
-    requested = bool(cfg.train.dist.get("auto", False)) is True and CP_KEY not in autos
+    requested = cfg.train.dist.auto is True and CP_KEY not in autos
     run(structures(cfg, world_size, autos, info, cps=[1] if requested else None))
     cps = _context_pass(cfg, info, autos, estimates, world_size)
     if cps:
@@ -347,11 +344,11 @@ _TIME_WORDS = {"compute": "compute", "dp_copies": "FSDP buffer copies",
 def _context_pass(cfg, info: ModelInfo, autos: list[str], estimates: list, world_size: int) -> list[int]:
     """The context-parallel sizes > 1 that ``train.dist.auto=True`` adds to a search whose layouts without them
     are ``estimates`` (the rule of the module docstring), or []."""
-    if CP_KEY in autos or bool(cfg.train.dist.get("auto", False)) is not True:
+    if CP_KEY in autos or cfg.train.dist.auto is not True:
         return []
-    if not getattr(info.model, "supports_context_parallel", False):
+    if not contract_of(info.model).supports_context_parallel:
         return []
-    global_ = cfg.train.get("global_batch_size")
+    global_ = cfg.train.global_batch_size
     if any(e.fits for e in estimates) and not (global_ is not None and global_ < world_size):
         return []
     return [c for c in context_parallel_sizes(world_size, info.seq_length, every=False) if c > 1]
@@ -380,8 +377,6 @@ def _miss(e: Estimate) -> str:
 
 def apply_layout(cfg, layout_dict: dict):
     """A copy of ``cfg`` with the concrete values of ``layout_dict`` (an Estimate's ``layout``)."""
-    from dufu.config import LazyConfig
-
     cfg = copy.deepcopy(cfg)
     if "auto" in cfg.train.dist:
         cfg.train.dist["auto"] = False
@@ -391,6 +386,6 @@ def apply_layout(cfg, layout_dict: dict):
         overrides.append("train.dist.expert_parallel_size=1")
     if layout.context_parallel_size == 1 and "context_parallel_size" in cfg.train.dist:
         overrides.append("train.dist.context_parallel_size=1")
-    if cfg.train.get("global_batch_size") is None:
+    if cfg.train.global_batch_size is None:
         overrides.append(f"train.num_accumulation_steps={layout.num_accumulation_steps}")
     return LazyConfig.apply_overrides(cfg, overrides)

@@ -22,7 +22,15 @@ import torch
 from torch import nn
 
 from dufu.config import instantiate
+from dufu.data.span_corruption import compute_lengths
+from dufu.engine.report import model_flops_per_token
 from dufu.errors import ConfigError, DufuError
+from dufu.models.base import contract_of
+from dufu.parallel.data_parallel import end_units
+from dufu.parallel.expert_parallel import expert_modules
+from dufu.parallel.materialize import supports_meta_init
+from dufu.parallel.parallelize_utils import transformer_blocks
+from dufu.parallel.tensor_parallel import tensor_parallel_plan
 
 # Ops that only describe existing storage (views) cost dispatch time and no memory traffic.
 _SKIP = {"prim.device.default", "aten.detach.default", "aten.lift_fresh.default"}
@@ -223,28 +231,27 @@ def sequence_lengths(cfg, model: nn.Module) -> tuple[int, Optional[int]]:
     train = cfg.get("dataloader", {}).get("train", {}) if hasattr(cfg, "get") else {}
     inputs_length = train.get("inputs_length") if hasattr(train, "get") else None
     if inputs_length is not None:  # T5 span corruption: the lengths it produces
-        from dufu.data.span_corruption import compute_lengths
-
         tokens, targets = compute_lengths(inputs_length, train.get("noise_density", 0.15),
                                           train.get("mean_noise_span_length", 3.0))
         del tokens
         return int(inputs_length), int(targets)
     seq = train.get("seq_length") if hasattr(train, "get") else None
     if seq is None:
-        seq = getattr(model, "max_position_embeddings", None) or 128
+        seq = contract_of(model).max_position_embeddings or 128
     return int(seq), None
 
 
 def _input_builder(model: nn.Module, seq: int, target_len: Optional[int]):
     """A function (micro-batch) -> the keyword inputs of one training micro-batch, as dufu's data gives them."""
     params = inspect.signature(model.forward).parameters
-    main = getattr(model, "main_input_name", "input_ids")
-    vocab = getattr(model, "vocab_size", 2)
+    declared = contract_of(model)
+    main = declared.main_input_name
+    vocab = declared.vocab_size or 2
 
     def build(b: int) -> dict:
         if main == "pixel_values":
-            size = getattr(model, "image_size", (224, 224))
-            c = getattr(model, "num_channels", 3)
+            size = declared.image_size or (224, 224)
+            c = declared.num_channels or 3
             return {"pixel_values": torch.zeros(b, c, *size), "labels": torch.zeros(b, dtype=torch.long)}
         ids = torch.zeros(b, seq, dtype=torch.long)
         if "decoder_input_ids" in params:  # encoder-decoder: the decoder reads the labels shifted right
@@ -252,7 +259,7 @@ def _input_builder(model: nn.Module, seq: int, target_len: Optional[int]):
         if "shift_labels" in params:
             return {"input_ids": ids, "shift_labels": torch.zeros(b, seq, dtype=torch.long)}
         if "labels" in params:
-            per_token = getattr(model, "lm_head", None) is not None
+            per_token = declared.output_head() is not None
             labels = torch.zeros(b, seq, dtype=torch.long) if per_token else torch.zeros(b, dtype=torch.long)
             return {"input_ids": ids, "labels": labels.clamp_max(max(vocab - 1, 0))}
         raise ConfigError(
@@ -265,11 +272,6 @@ def _input_builder(model: nn.Module, seq: int, target_len: Optional[int]):
 
 def build_model_info(cfg) -> ModelInfo:
     """Build ``cfg.model`` on the meta device and read its parts (see the module docstring)."""
-    from dufu.engine.report import model_flops_per_token
-    from dufu.parallel.data_parallel import end_units
-    from dufu.parallel.materialize import supports_meta_init
-    from dufu.parallel.parallelize_utils import transformer_blocks
-
     try:
         with torch.device("meta"):
             model = instantiate(cfg.model)
@@ -285,10 +287,8 @@ def build_model_info(cfg) -> ModelInfo:
     seq, target = sequence_lengths(cfg, model)
     parts, tied_elems = _parts(model, transformer_blocks(model), end_units)
     num_params = sum(p.params for p in parts)
-    tokens_per_sample = 1 if getattr(model, "main_input_name", "") == "pixel_values" else seq
+    tokens_per_sample = 1 if contract_of(model).main_input_name == "pixel_values" else seq
     flops_per_token = model_flops_per_token(model, seq) if tokens_per_sample > 1 else 0.0
-    from dufu.parallel.expert_parallel import expert_modules
-
     info = ModelInfo(model, type(model).__name__, parts, num_params, seq, tokens_per_sample, flops_per_token,
                      tied=tied_elems > 0, tied_elems=tied_elems, inputs=_input_builder(model, seq, target),
                      mapping=shortening(model)[1],
@@ -306,8 +306,6 @@ def shortening(model: nn.Module) -> tuple[dict, list[int]]:
     Of every stack whose blocks are all alike, three are kept: the first, the last but one (standing for every
     middle block) and the last (the blocks next to the embeddings and the head see their neighbours' tensors saved
     and freed differently). Returns ({container: [(key, block) removed]}, mapping)."""
-    from dufu.parallel.parallelize_utils import transformer_blocks
-
     containers: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, b in transformer_blocks(model):
         containers.setdefault(name.rsplit(".", 1)[0], []).append((name.rsplit(".", 1)[1], b))
@@ -330,9 +328,8 @@ def shortening(model: nn.Module) -> tuple[dict, list[int]]:
 
 def _parts(model: nn.Module, blocks: list, end_units) -> tuple[list[Part], int]:
     """The model's parts in forward order with their parameters (see :class:`Part`)."""
-    from dufu.parallel.tensor_parallel import tensor_parallel_plan
-
-    head = getattr(model, "lm_head", None)
+    declared = contract_of(model)
+    head = declared.output_head()
     plan = tensor_parallel_plan(model, False, head=head)
     split: set[int] = set()
     for name, style in plan.items():
@@ -341,10 +338,8 @@ def _parts(model: nn.Module, blocks: list, end_units) -> tuple[list[Part], int]:
         for pname, p in module.named_parameters(recurse=False):
             if kind in ("ColwiseParallel",) or (kind == "RowwiseParallel" and pname == "weight"):
                 split.add(id(p))
-    from dufu.parallel.expert_parallel import expert_modules
-
     experts = {id(p) for _, m in expert_modules(model) for p in m.parameters()}
-    layout = getattr(model, "pipeline_layout", None) or {}
+    layout = declared.pipeline_layout or {}
     block_names = [n for n, _ in blocks]
     owner_block = {}
     for i, (n, b) in enumerate(blocks):
@@ -386,9 +381,8 @@ def _parts(model: nn.Module, blocks: list, end_units) -> tuple[list[Part], int]:
     embeddings, last = end_units(model)
     parts[0].embedding_unit = sum(p.numel() for m in embeddings for p in m.parameters())
     tied_elems = 0
-    wte = getattr(model, "wte", None)
-    if getattr(model, "tie_word_embeddings", False) and head is not None and wte is not None \
-            and head.weight is getattr(wte, "weight", None):
+    wte = declared.token_embedding()
+    if declared.tie_word_embeddings and head is not None and wte is not None and head.weight is wte.weight:
         tied_elems = wte.weight.numel()
     for m in last:
         for p in m.parameters():

@@ -34,7 +34,14 @@ from typing import Optional
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 
+from dufu.layers.attention import Attention as AttentionLayer
+from dufu.models.base import contract_of
+from dufu.parallel.activation_checkpoint import apply_activation_checkpointing
+from dufu.parallel.parallelize_utils import transformer_blocks
+from dufu.plan.context import KVGather, split_for_context_parallel
+from dufu.plan.experts import expert_modules, localize
 from dufu.plan.recorder import Recorder
 from dufu.plan.shapes import (AUTOCAST, Attention, ExpertsCall, Gemm, LinearCall, ModelInfo, PartOps, Storage, Trace,
                               shortening)
@@ -104,29 +111,20 @@ def get_trace(info: ModelInfo, dtype: str, checkpoint: Optional[str], device: st
 
 def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: int, device: str,
                 ep: int = 1, cp: int = 1) -> "Recorder":
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from dufu.plan.experts import localize
-
     reduced = _shortened(info)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _to_fake(reduced, mode)
-    if hasattr(reduced, "tie_weights"):
-        reduced.tie_weights()
+    contract_of(reduced).tie_weights()
     with mode:
         localize(reduced, ep)  # one expert-parallel rank's experts
     if device == "cuda":
-        from dufu.layers.attention import Attention
-
         for module in reduced.modules():
-            if isinstance(module, Attention):
+            if isinstance(module, AttentionLayer):
                 module.attention_dropout = 0.0  # the fused kernels' dropout keeps no (T, T) tensor (see get_trace)
     rec = Recorder(reduced, mode, ep)
     with mode:
         inputs = info.inputs(batch)
         if cp > 1:  # before checkpointing, as dufu.parallel.parallelize applies them
-            from dufu.plan.context import split_for_context_parallel
-
             inputs = split_for_context_parallel(reduced, inputs, cp, device)
     if checkpoint:
         _checkpoint(reduced, checkpoint, ep)
@@ -152,10 +150,6 @@ def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: i
 def _checkpoint(model: nn.Module, mode: str, ep: int) -> None:
     """Activation checkpointing as :func:`dufu.parallel.parallelize.parallelize` applies it: under expert
     parallelism, selective mode checkpoints the blocks with a MoE layer in full (the others stay selective)."""
-    from dufu.parallel.activation_checkpoint import apply_activation_checkpointing
-    from dufu.parallel.parallelize_utils import transformer_blocks
-    from dufu.plan.experts import expert_modules
-
     if ep <= 1 or mode != "selective":
         apply_activation_checkpointing(model, mode)
         return
@@ -231,8 +225,6 @@ def _combine(one: Recorder, two: Recorder) -> Trace:
 
         experts.append(ExpertsCall(call["part"], size("in_bytes"), size("out_bytes"), call["num_experts"],
                                    call["recomputed"]))
-    from dufu.plan.context import KVGather
-
     gathers = []
     for i, call in enumerate(one.kv_gathers):
         other = two.kv_gathers[i] if len(two.kv_gathers) == len(one.kv_gathers) else None

@@ -1,4 +1,4 @@
-"""Structured pruning (dufu.compress.prune) and `dufu prune` (dufu.engine.prune_cli).
+"""Structured pruning (dufu.compress.prune) and `dufu prune` (dufu.cli.prune).
 
 The pruned model must compute exactly what the original computes with the pruned heads and neurons switched off.
 The reference switches them off in a copy of the original by zeroing their columns of the output projection
@@ -281,9 +281,9 @@ def test_other_families_and_deltas_are_refused():
 # ---------------------------------------------------------------------------------------------------- dufu prune
 def test_prune_run_writes_a_model_directory_dufu_loads(train_run, tmp_path, capsys):
     from dufu.config import LazyConfig
-    from dufu.engine.generate_cli import load_for_generation
+    from dufu.cli.generate import load_for_generation
     from dufu.engine.pretrained import pretrained_model
-    from dufu.engine.prune_cli import load_source, main, prune_run, validation_batches
+    from dufu.cli.prune import load_source, main, prune_run, validation_batches
 
     run = train_run("train.train_iter=2")
     out = prune_run(run.output_dir, tmp_path / "pruned", heads_keep=0.5, ffn_keep=0.75, importance="first-order",
@@ -320,7 +320,7 @@ def test_prune_run_from_a_hugging_face_directory_and_fine_tuning_from_it(tmp_pat
     import dufu
     from dufu.config import LazyConfig
     from dufu.engine.pretrained import pretrained_model
-    from dufu.engine.prune_cli import prune_run
+    from dufu.cli.prune import prune_run
     from dufu.engine.trainer import Trainer
 
     model = llama(vocab_size=384)  # llama_debug's size: the byte tokenizer's 257 tokens fit
@@ -348,4 +348,4 @@ def test_prune_run_from_a_hugging_face_directory_and_fine_tuning_from_it(tmp_pat
     trainer = Trainer(cfg, log=lambda *a: None)
     state = trainer.model.state_dict()
     assert all(torch.equal(state[k], v) for k, v in expected.state_dict().items())
-    assert trainer.num_parameters == count_parameters(expected)
+    assert trainer.runtime.num_parameters == count_parameters(expected)

@@ -199,8 +199,8 @@ def test_errors_say_what_is_wrong_and_what_to_do():
 
 
 def test_cli_quantizes_a_run_and_generate_reads_it(train_run, tmp_path, capsys):
-    from dufu.engine.generate_cli import load_for_generation
-    from dufu.engine.quantize_cli import load_quantized_for_generation, main
+    from dufu.cli.generate import load_for_generation
+    from dufu.cli.quantize import load_quantized_for_generation, main
 
     run = train_run("train.train_iter=2")
     out = tmp_path / "q8"
@@ -229,7 +229,7 @@ def test_cli_quantizes_a_hugging_face_directory(tmp_path, capsys):
     int4 directory (dufu only) reloads to the quantized logits."""
     from dufu.data import build_tokenizer
     from dufu.engine.pretrained import save_pretrained
-    from dufu.engine.quantize_cli import main
+    from dufu.cli.quantize import main
 
     model, inputs = make("llama")
     src = save_pretrained(model, tmp_path / "hf")

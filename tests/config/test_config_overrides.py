@@ -1,11 +1,20 @@
 """LazyConfig.apply_overrides: value parsing, type rules, unknown keys, '+' keys, bad input."""
 
 import collections
+import dataclasses
 
 import pytest
 
 from dufu.config import ConfigDict, LazyCall, LazyConfig, parse_value
 from dufu.errors import ConfigError
+
+
+@dataclasses.dataclass
+class Amp:
+    """A typed node's schema: `enabled` is a switch that also takes words."""
+
+    enabled: bool | str = False
+    dtype: str = "bf16"
 
 
 def make_cfg():
@@ -16,7 +25,7 @@ def make_cfg():
             lr=1e-3,
             output_dir="output",
             resume=None,
-            amp=dict(enabled=False, dtype="bf16"),
+            amp=dict(_schema_=Amp, enabled=False, dtype="bf16"),
             tensorboard=True,
             milestones=[10, 20],
             betas=(0.9, 0.95),

@@ -258,14 +258,15 @@ def test_evaluation_reports_each_dataset_and_the_mean_over_all_targets():
 
     valid = ValidationSets([("a", [np.full(3, i) for i in range(10)]),  # 10 samples: 2 batches of 4
                             ("b", [np.full(3, 10 + i) for i in range(3)])])  # 3 samples: one batch 10 11 12 10
-    trainer = SimpleNamespace(
+    runtime = SimpleNamespace(
         global_batch_size=4, micro_batch_size=2, dp_rank=0, device=torch.device("cpu"), schedule=None,
         model_parts=[], valid_ds=valid, model=Model(), dims=SimpleNamespace(data_parallel_size=1),
-        cfg=SimpleNamespace(train=SimpleNamespace(evaluation={"eval_iter": 2})),
+        cfg=SimpleNamespace(train=SimpleNamespace(evaluation=SimpleNamespace(eval_iter=2))),
         batch=lambda ds, idx: {"input_ids": torch.as_tensor(np.stack([ds[i] for i in idx]))},
-        count_global_targets=lambda batches: None, autocast=contextlib.nullcontext,
-        weighted=lambda loss, mb: loss * 0.5, reduce_loss=lambda t: float(t))
-    ev = evaluate(trainer)
+        autocast=contextlib.nullcontext,
+        loss=SimpleNamespace(begin=lambda batches: None, weighted=lambda loss, mb: loss * 0.5,
+                             reduce=lambda t: float(t)))
+    ev = evaluate(runtime)
     assert ev["eval_loss/a"] == pytest.approx((1.5 + 5.5) / 2)
     assert ev["eval_loss/b"] == pytest.approx(10.75)
     assert ev["eval_loss"] == pytest.approx((1.5 + 5.5 + 10.75) / 3)

@@ -145,6 +145,6 @@ def test_bert_classify_lora_starts_from_minilm_and_saves_only_what_trains(tmp_pa
     import torch.distributed.checkpoint as dcp
 
     keys = set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
-    assert {k[len("model."):] for k in keys if k.startswith("model.")} == set(run.trainer.delta.trainable)
+    assert {k[len("model."):] for k in keys if k.startswith("model.")} == set(run.trainer.runtime.delta.trainable)
     assert all(k.startswith(("model.", "optim.")) for k in keys)
     assert "optim.state.classifier.weight.exp_avg" in keys

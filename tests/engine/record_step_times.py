@@ -1,7 +1,8 @@
 """A torchrun worker: ``dufu train`` with every rank's own time in each training step recorded, to check the
 logged throughput against. Each rank appends ``{"step": n, "seconds": s}`` lines to
 ``$DUFU_TEST_STEP_TIMES/rank<r>.jsonl`` as it goes (dufu ends its workers with ``os._exit``): ``s`` is the time
-this rank spent in ``Trainer.train_step`` for step ``n``.
+this rank spent in step ``n``, from the step's start to the end of its optimizer step (a training-loop hook,
+:class:`StepTimes`, attached through ``train.hooks``).
 
 ``DUFU_TEST_SLOW_RANK=r:seconds`` makes rank ``r`` sleep that long at the end of each of its steps, after the
 step's last collective: a rank that finishes every step later than rank 0, as a last pipeline stage does."""
@@ -13,24 +14,26 @@ import time
 from pathlib import Path
 
 from dufu.cli import main
-from dufu.engine.trainer import Trainer
-
-_log = Path(os.environ["DUFU_TEST_STEP_TIMES"]) / f"rank{os.environ.get('RANK', '0')}.jsonl"
-_slow_rank, _, _slow_seconds = os.environ.get("DUFU_TEST_SLOW_RANK", "-1:0").partition(":")
-_is_slow = int(_slow_rank) == int(os.environ.get("RANK", "0"))
-_original = Trainer.train_step
+from dufu.engine.hooks import Hook
 
 
-def _timed(self, micro_batches):
-    t0 = time.perf_counter()
-    out = _original(self, micro_batches)
-    if _is_slow:
-        time.sleep(float(_slow_seconds))
-    seconds = time.perf_counter() - t0
-    with _log.open("a") as f:
-        f.write(json.dumps({"step": self.step + 1, "seconds": seconds}) + "\n")
-    return out
+class StepTimes(Hook):
+    def __init__(self):
+        self.log = Path(os.environ["DUFU_TEST_STEP_TIMES"]) / f"rank{os.environ.get('RANK', '0')}.jsonl"
+        slow_rank, _, slow_seconds = os.environ.get("DUFU_TEST_SLOW_RANK", "-1:0").partition(":")
+        self.sleep = float(slow_seconds) if int(slow_rank) == int(os.environ.get("RANK", "0")) else 0.0
+        self.t0 = None
+
+    def on_step_start(self, trainer) -> None:
+        self.t0 = time.perf_counter()
+
+    def after_optimizer(self, trainer, loss, grad_norm) -> None:
+        if self.sleep:
+            time.sleep(self.sleep)
+        seconds = time.perf_counter() - self.t0
+        with self.log.open("a") as f:
+            f.write(json.dumps({"step": trainer.step + 1, "seconds": seconds}) + "\n")
 
 
-Trainer.train_step = _timed
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":
+    sys.exit(main([*sys.argv[1:], 'train.hooks=[{"_target_": "__main__.StepTimes"}]']))

@@ -9,7 +9,7 @@ import pytest
 
 import launch
 from dufu.cli import main as cli_main
-from dufu.engine.eval_cli import evaluate_source
+from dufu.cli.eval import evaluate_source
 from dufu.errors import ConfigError, DataError
 from dufu_testing import read_records
 
@@ -87,7 +87,7 @@ def test_eval_and_generate_read_a_quantized_directory(debug_run, tmp_path, capsy
     """`dufu quantize`'s output evaluates on the recipe's data (int8 weights: within 1% of the fp32 loss) and
     generates."""
     pytest.importorskip("torchao")
-    from dufu.engine.quantize_cli import quantize_to
+    from dufu.cli.quantize import quantize_to
 
     out = quantize_to(debug_run.output_dir, "int8-weight", tmp_path / "q8")
     fp32 = evaluate_source(str(debug_run.output_dir), eval_iter=2)
@@ -97,3 +97,17 @@ def test_eval_and_generate_read_a_quantized_directory(debug_run, tmp_path, capsy
     capsys.readouterr()
     assert cli_main(["generate", str(out), "--prompt", "The ", "--greedy", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("The ")
+
+
+def test_eval_builds_the_runtime_only(debug_run, monkeypatch):
+    """`dufu eval` needs the model as training builds and splits it, not the training loop: no optimizer and no
+    sampler is built (its numbers are still the run's own, test above)."""
+    import torch
+
+    from dufu.data import ResumableBatchSampler
+
+    built = []
+    monkeypatch.setattr(torch.optim.Optimizer, "__init__", lambda *a, **k: built.append("optimizer"))
+    monkeypatch.setattr(ResumableBatchSampler, "__init__", lambda *a, **k: built.append("sampler"))
+    got = evaluate_source(str(debug_run.output_dir), eval_iter=1)
+    assert built == [] and got["eval_loss"] > 0

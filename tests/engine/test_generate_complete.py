@@ -263,7 +263,7 @@ def llama_dir(tmp_path_factory):
 
 
 def run(capsys, *argv) -> str:
-    from dufu.engine.generate_cli import main
+    from dufu.cli.generate import main
 
     assert main([str(a) for a in argv]) == 0
     return capsys.readouterr().out.rstrip("\n")

@@ -1,4 +1,4 @@
-"""``dufu train --nproc N`` runs torchrun's agent inside the launcher process (dufu.cli.run_torchrun), so the
+"""``dufu train --nproc N`` runs torchrun's agent inside the launcher process (dufu.cli.torchrun.run_torchrun), so the
 exit code and the failure report must be those of the ``torchrun`` command: 0 for a finished job, 1 with the
 failed ranks' summary when a worker fails."""
 
@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import launch
-from dufu.cli import run_torchrun
+from dufu.cli.torchrun import run_torchrun
 from dufu.errors import DufuError
 
 ARGS = ("train.train_iter=3", "train.global_batch_size=4", "train.train_micro_batch_size=2",

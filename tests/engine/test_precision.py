@@ -138,10 +138,10 @@ def test_recipes_default_to_auto_and_debug_recipes_to_fp32():
 
 def test_a_run_on_auto_says_which_dtype_and_why(tmp_path):
     run = train(tmp_path / "auto", ["train.amp.enabled=auto", "train.train_iter=2", "train.checkpointer.period=0"])
-    p = run.trainer.precision
+    p = run.trainer.runtime.precision
     out = "\n".join(run.log)
     assert f"precision    {p.name}: auto: bf16 matmul" in out
-    assert run.trainer.amp_dtype == p.dtype and p.peak_flops == 1e12  # train.peak_tflops=1.0 is the MFU basis
+    assert run.trainer.runtime.amp_dtype == p.dtype and p.peak_flops == 1e12  # train.peak_tflops=1.0 is the MFU basis
     # the decision follows the measured (cached) peaks of this machine
     assert (p.dtype == torch.bfloat16) == (p.peaks["bf16"] >= MIN_SPEEDUP * p.peaks["fp32"])
 
@@ -171,7 +171,7 @@ def test_weights_are_cast_once_per_step_not_per_micro_batch(tmp_path):
         trainer._begin()
         counter = CountCasts()
         with counter:
-            loss, _ = trainer.train_step(trainer.sampler.next_step())
+            loss, _ = trainer.train_step()
         weights = sum(1 for p in trainer.model.parameters() if p.ndim == 2)
         return loss, counter.casts, weights
 

@@ -93,9 +93,9 @@ def test_stop_after_minutes_broadcasts_on_the_trainers_device(debug_run, monkeyp
     monkeypatch.setattr(dist, "broadcast", fake_broadcast)
     monkeypatch.setitem(trainer.cfg.train, "stop_after_minutes", 1e-9)
     # Two ranks, mid-run, on a device that is not the CPU (meta stands in for a GPU on a CPU-only machine).
-    monkeypatch.setattr(trainer, "world_size", 2)
+    monkeypatch.setattr(trainer.runtime, "world_size", 2)
     monkeypatch.setattr(trainer, "step", 3)
-    monkeypatch.setattr(trainer, "device", torch.device("meta"))
+    monkeypatch.setattr(trainer.runtime, "device", torch.device("meta"))
     monkeypatch.setattr(trainer.preemption, "requested", lambda *args: None)  # its own gloo all-reduce: no group here
     with pytest.raises(Broadcast):
         trainer._stop_reason(t_start=0.0)

@@ -40,7 +40,7 @@ def test_a_run_writes_every_output(debug_run):
         assert r["consumed_samples"] == 4 * r["step"]  # global batch 4
         # log_period 1: each record covers one step of 4 x 32 tokens; MFU = model FLOP/s / peak FLOP/s
         assert r["tokens_per_s"] == pytest.approx(4 * 32 / r["step_time_s"], rel=1e-6)
-        assert r["mfu"] == pytest.approx(trainer.flops_per_token * r["tokens_per_s"] / trainer.peak_flops, rel=1e-6)
+        assert r["mfu"] == pytest.approx(trainer.runtime.flops_per_token * r["tokens_per_s"] / trainer.runtime.peak_flops, rel=1e-6)
     assert abs(train_recs[0]["loss"] - math.log(384)) < 0.5
     evals = [r for r in records if "eval_loss" in r]
     assert [r["step"] for r in evals] == [0, 5, 10]
@@ -179,7 +179,7 @@ def assert_same_params(model_a, model_b, rtol=0.0, atol=0.0):
 def test_gradient_accumulation_equals_one_large_micro_batch(runs):
     accumulated = runs("train.train_micro_batch_size=2", "train.global_batch_size=8")
     single = runs("train.train_micro_batch_size=8", "train.global_batch_size=8")
-    assert accumulated.trainer.num_accumulation_steps == 4 and single.trainer.num_accumulation_steps == 1
+    assert accumulated.trainer.runtime.num_accumulation_steps == 4 and single.trainer.runtime.num_accumulation_steps == 1
     la, ls = accumulated.losses, single.losses
     assert sorted(la) == sorted(ls) == [1, 2, 3]
     for step in la:

@@ -120,7 +120,7 @@ def test_bert_debug_trains_in_one_process(tmp_path):
     assert losses[12] < losses[1] - 0.3  # from log(384) ~ 5.95 toward the byte unigram entropy
     evals = [r for r in run.records if "eval_loss" in r]
     assert evals[-1]["eval_loss"] < evals[0]["eval_loss"]
-    assert run.trainer.model_name == "BertForMaskedLM"
+    assert run.trainer.runtime.model_name == "BertForMaskedLM"
     # The trained checkpoint exports to transformers (what `dufu convert --to-hf` would do for this family).
     import dufu
     from dufu.config import LazyConfig, instantiate

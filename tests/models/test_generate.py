@@ -108,7 +108,7 @@ def test_sampling_with_a_seed_is_reproducible(pair, prompts):
 
 # ------------------------------------------------------------------------- dufu generate
 def test_cli_on_a_dufu_run(debug_run, capsys):
-    from dufu.engine.generate_cli import load_for_generation, main
+    from dufu.cli.generate import load_for_generation, main
 
     assert main([str(debug_run.output_dir), "--prompt", "The ", "--greedy", "--max-new-tokens", "12"]) == 0
     printed = capsys.readouterr().out.rstrip("\n")
@@ -122,7 +122,7 @@ def test_cli_on_a_dufu_run(debug_run, capsys):
 
 def test_cli_on_a_hugging_face_directory(tmp_path, capsys):
     from dufu.data import build_tokenizer
-    from dufu.engine.generate_cli import main
+    from dufu.cli.generate import main
     from dufu.models.llama import LlamaModel
 
     torch.manual_seed(0)

@@ -169,4 +169,4 @@ def test_recipe_trains_with_and_without_activation_checkpointing(tmp_path):
     assert a[6] < a[1] - 0.2
     for step in a:  # recomputation changes memory, not numbers
         assert b[step] == pytest.approx(a[step], rel=1e-6)
-    assert plain.trainer.model_name == "HFAutoModel"
+    assert plain.trainer.runtime.model_name == "HFAutoModel"

@@ -1,3 +1,5 @@
+"""BERT and RoBERTa: encoders with masked-LM and sequence-classification heads."""
+
 from dufu.models.bert.model import (
     BertForMaskedLM,
     BertForSequenceClassification,

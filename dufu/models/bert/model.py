@@ -211,14 +211,13 @@ class _BertEncoder(InitByModule, nn.Module):
         if name == "wte" and self.pad_token_id is not None and 0 <= self.pad_token_id < self.vocab_size:
             module.weight[self.pad_token_id].zero_()
 
+    def token_embedding(self) -> Optional[nn.Module]:
+        return self.wte
+
     # --------------------------------------------------------------- forward
     def position_offset(self) -> int:
-        """The position of the first token."""
+        """The position of the first token (BERT's positions, ``default_position_ids``, are 0 .. T-1)."""
         return 0
-
-    def default_position_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """BERT: 0 .. T-1 for every sequence, (1, T)."""
-        return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
 
     def encode(
         self,
@@ -320,6 +319,9 @@ class BertForMaskedLM(_BertWithHead):
         # into the loss; its bias is BERT's per-token output bias.
         self.lm_head = Linear(self.hidden_size, self.vocab_size, bias=True, parallel="col")
         self.finish_init()
+
+    def output_head(self) -> Optional[nn.Module]:
+        return self.lm_head
 
     def head(self, h: torch.Tensor) -> torch.Tensor:
         if self.mlm_transform is not None:  # (None on pipeline stages other than the last)

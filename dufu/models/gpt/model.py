@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from dufu.layers import KVCache, LayerNorm, Linear, PositionEmbedding, TransformerLayer, VocabEmbedding
-from dufu.layers.attention import document_mask
+from dufu.layers.attention import context_parallel_of, document_mask
 from dufu.layers.loss import causal_lm_loss, fused_linear_cross_entropy, next_token_labels
 from dufu.models.outputs import ModelOutput
 from dufu.models.base import InitByModule
@@ -114,6 +114,12 @@ class GPTModel(InitByModule, nn.Module):
             std = std / math.sqrt(2 * self.num_layers)
         self.init_normal(name, module, std)
 
+    def output_head(self) -> Optional[nn.Module]:
+        return self.lm_head
+
+    def token_embedding(self) -> Optional[nn.Module]:
+        return self.wte
+
     # --------------------------------------------------------------- forward
     def forward(
         self,
@@ -152,8 +158,7 @@ class GPTModel(InitByModule, nn.Module):
                       kv_cache: Optional[KVCache] = None) -> torch.Tensor:
         # Under context parallelism (dufu.parallel.context_parallel) position_ids are the global positions of this
         # rank's chunks, not documents, and the attention builds its own masks.
-        cp = getattr(self, "context_parallel", None)
-        if position_ids is not None and kv_cache is None and not (cp is not None and cp.active):
+        if position_ids is not None and kv_cache is None and context_parallel_of(self) is None:
             attention_mask = document_mask(position_ids, attention_mask)  # once for all blocks
         if self.wte is not None:
             B, T = input_ids.shape

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from dufu.layers import Attention, GatedMLP, KVCache, Linear, RMSNorm, RotaryEmbedding, VocabEmbedding
-from dufu.layers.attention import document_mask
+from dufu.layers.attention import context_parallel_of, document_mask
 from dufu.layers.loss import causal_lm_loss, fused_linear_cross_entropy, next_token_labels
 from dufu.models.outputs import ModelOutput
 from dufu.models.base import InitByModule
@@ -167,6 +167,12 @@ class LlamaDecoder(InitByModule, nn.Module):
         if isinstance(module, RotaryEmbedding):
             module.reset_parameters()
 
+    def output_head(self) -> Optional[nn.Module]:
+        return self.lm_head
+
+    def token_embedding(self) -> Optional[nn.Module]:
+        return self.wte
+
     # --------------------------------------------------------------- forward
     def forward(
         self,
@@ -188,8 +194,7 @@ class LlamaDecoder(InitByModule, nn.Module):
         docstring)."""
         # Under context parallelism (dufu.parallel.context_parallel) position_ids are the global positions of this
         # rank's chunks, not documents, and the attention builds its own masks.
-        cp = getattr(self, "context_parallel", None)
-        if position_ids is not None and kv_cache is None and not (cp is not None and cp.active):
+        if position_ids is not None and kv_cache is None and context_parallel_of(self) is None:
             attention_mask = document_mask(position_ids, attention_mask)  # once for all blocks
         h = self.drop(self.wte(input_ids)) if self.wte is not None else input_ids  # (B, T, C)
         for block in self.blocks.values():

@@ -1,3 +1,5 @@
+"""T5: the encoder-decoder, its encoder alone, and conditional generation."""
+
 from dufu.models.t5.model import (
     T5EncoderModel,
     T5ForConditionalGeneration,

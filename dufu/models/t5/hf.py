@@ -19,7 +19,8 @@ from torch import nn
 
 from dufu.errors import DataError
 from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping
-from dufu.models.hub import StoredTensor, register
+from dufu.models.hf_weights import StoredTensor
+from dufu.models.hub import register
 from dufu.models.t5.model import T5EncoderModel, T5ForConditionalGeneration, T5Model
 
 _PROJ = {"q_proj": "q", "k_proj": "k", "v_proj": "v", "out_proj": "o"}

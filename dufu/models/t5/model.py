@@ -182,6 +182,9 @@ class _T5Base(InitByModule, nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.wte(input_ids)  # (B, T, C)
 
+    def token_embedding(self) -> Optional[nn.Module]:
+        return self.wte
+
 
 class T5ForConditionalGeneration(_T5Base):
     """T5 encoder-decoder with a language-model head (as transformers' ``T5ForConditionalGeneration``).
@@ -229,8 +232,6 @@ class T5ForConditionalGeneration(_T5Base):
                           relative_attention_num_buckets, relative_attention_max_distance, dropout_rate,
                           layer_norm_epsilon, initializer_factor)
         self.num_decoder_layers = num_layers if num_decoder_layers is None else num_decoder_layers
-        # Attention layers for the MFU estimate (12 L H T FLOP/token): encoder self, decoder self and cross.
-        self.attention_layers = num_layers + 2 * self.num_decoder_layers
         self.tie_word_embeddings = tie_word_embeddings
         self.scale_decoder_outputs = tie_word_embeddings if scale_decoder_outputs is None else scale_decoder_outputs
         self.pad_token_id = pad_token_id
@@ -241,6 +242,14 @@ class T5ForConditionalGeneration(_T5Base):
         self.decoder = self._stack(self.num_decoder_layers, is_decoder=True)
         self.lm_head = Linear(d_model, vocab_size, bias=False, parallel="col") if lm_head else None
         self.finish_init()
+
+    @property
+    def attention_layers(self) -> int:
+        """For the MFU estimate (12 L H T FLOP/token): the encoder's self-attention, the decoder's self and cross."""
+        return self.num_layers + 2 * self.num_decoder_layers
+
+    def output_head(self) -> Optional[nn.Module]:
+        return self.lm_head
 
     def untie_weights(self) -> None:
         """Give the head its own copy of the embedding (e.g. to load a checkpoint whose head differs)."""

@@ -20,7 +20,13 @@ import torch
 
 from dufu.compress.quantize import INT4_GROUP_SIZES, SCHEMES, quantize_model, unique_tensors
 from dufu.compress.quantize_io import is_quantized_dir, load_quantized, read_manifest, save_quantized
+from dufu.config import LazyConfig, instantiate
+from dufu.data import build_tokenizer
+from dufu.engine.convert import resolve_checkpoint
+from dufu.engine.delta_run import is_delta_checkpoint
+from dufu.engine.pretrained import from_pretrained, pretrained_model
 from dufu.errors import DataError, DufuError
+from dufu.models.hub import read_hf_config
 
 __all__ = ["main", "load_source", "is_quantized_dir", "load_quantized", "load_quantized_for_generation"]
 
@@ -46,9 +52,6 @@ def load_source(path: str | Path):
     """``(fp32 model on the CPU, files to copy, source info)`` from a dufu run / checkpoint or an HF directory.
     The info holds the source's weights on disk (``disk_bytes``; for a dufu run, whose checkpoint also holds
     optimizer state, the bytes of the model's tensors) and the end-of-text id for generation."""
-    from dufu.engine.pretrained import from_pretrained, pretrained_model
-    from dufu.models.hub import read_hf_config
-
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
@@ -68,9 +71,6 @@ def load_source(path: str | Path):
         info = {"kind": "huggingface", "path": str(path.resolve()), "disk_bytes": disk,
                 "disk_what": "the source's weight files"}
     else:
-        from dufu.engine.convert import resolve_checkpoint
-        from dufu.engine.delta_run import is_delta_checkpoint
-
         ckpt = resolve_checkpoint(path)
         if is_delta_checkpoint(ckpt):
             raise DufuError(f"{ckpt} is a delta run (LoRA, adapters ...); quantize the merged model: `dufu convert "
@@ -90,16 +90,12 @@ def load_source(path: str | Path):
 
 
 def _tokenizer_eos(file: Path):
-    from dufu.data import build_tokenizer
-
     return build_tokenizer("pretrained", path=file).eod_id
 
 
 def _config_tokenizer(ckpt_config: Path, out: Path):
     """A run whose output_dir has no tokenizer.json: build its config's tokenizer and save it into ``out``
     (vision runs have none). Returns the end-of-text id, or None."""
-    from dufu.config import LazyConfig, instantiate
-
     tokenization = LazyConfig.load(str(ckpt_config)).get("tokenization")
     node = tokenization.get("tokenizer") if tokenization is not None else None
     if node is None:
@@ -111,8 +107,6 @@ def _config_tokenizer(ckpt_config: Path, out: Path):
 
 def load_quantized_for_generation(path: str | Path, device: str = "cpu"):
     """(quantized model in eval mode, tokenizer, end-of-text id or None) from a ``dufu quantize`` directory."""
-    from dufu.data import build_tokenizer
-
     path = Path(path)
     manifest = read_manifest(path)
     if not (path / "tokenizer.json").is_file():
@@ -155,7 +149,7 @@ def summary_lines(out: Path) -> list[str]:
         f"  on disk       {_mb(src['disk_bytes'])} ({src['disk_what']}) -> {_mb(weights_file.stat().st_size)} "
         f"{m['weights']} ({_pct(weights_file.stat().st_size, src['disk_bytes'])}); directory "
         f"{_mb(sum(f.stat().st_size for f in out.iterdir() if f.is_file()))}",
-        "  loads with    dufu (dufu.engine.quantize_cli.load_quantized)"
+        "  loads with    dufu (dufu.cli.quantize.load_quantized)"
         + ("; transformers AutoModel.from_pretrained (torchao quantization_config)" if m["transformers_loads"]
            else f"; not transformers: {m['why_not_transformers']}"),
     ]

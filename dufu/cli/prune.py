@@ -36,6 +36,16 @@ from typing import Iterable, Optional
 
 import torch
 
+from dufu.compress.prune import apply_plan, count_parameters, plan_pruning
+from dufu.compress.prune_families import family_of
+from dufu.config import ConfigDict, LazyCall, LazyConfig, instantiate
+from dufu.data import build_tokenizer, collate
+from dufu.engine.batch import to_model_inputs
+from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.convert import resolve_checkpoint
+from dufu.engine.delta_run import is_delta_checkpoint
+from dufu.engine.preflight import with_kwargs
+from dufu.engine.pretrained import from_pretrained, pretrained_model
 from dufu.errors import CheckpointError, DataError, DufuError
 
 USAGE_EPILOG = """examples:
@@ -48,9 +58,6 @@ USAGE_EPILOG = """examples:
 
 def load_source(source: str | Path):
     """``(model, run config or None, tokenizer.json path or None, description)`` of a run or Hugging Face dir."""
-    from dufu.engine.convert import resolve_checkpoint
-    from dufu.engine.pretrained import from_pretrained, pretrained_model
-
     path = Path(source)
     if not path.exists():
         raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
@@ -58,9 +65,6 @@ def load_source(source: str | Path):
     if (path / "config.json").is_file():
         tokenizer = path / "tokenizer.json"
         return from_pretrained(path), None, tokenizer if tokenizer.is_file() else None, f"Hugging Face {path}"
-    from dufu.config import LazyConfig
-    from dufu.engine.delta_run import is_delta_checkpoint
-
     ckpt = resolve_checkpoint(path)
     if not (ckpt / "config.yaml").is_file():
         raise CheckpointError(f"{ckpt} is not a dufu checkpoint with a config.yaml. Give a run's output_dir, a "
@@ -77,11 +81,6 @@ def validation_batches(cfg, tokenizer_file: Optional[Path], num_batches: int = 4
                        batch_size: int = 8) -> list[dict]:
     """The first ``num_batches`` x ``batch_size`` samples of a run's validation split, as model inputs with labels
     (what the trainer's evaluation feeds the model)."""
-    from dufu.config import instantiate
-    from dufu.data import build_tokenizer, collate
-    from dufu.engine.batch import to_model_inputs
-    from dufu.engine.preflight import with_kwargs
-
     if cfg is None or "dataloader" not in cfg or "train" not in cfg.dataloader:
         raise DataError("first-order importance needs data: this source has no run config with "
                         "dataloader.train. Pass batches to prune_run(..., batches=[...]) or use --importance "
@@ -103,11 +102,6 @@ def write_pruned(model, kwargs: dict, output_dir: str | Path, cfg=None, tokenize
                  record: Optional[dict] = None) -> Path:
     """Write ``model`` (built by ``type(model)(**kwargs)``) as the model directory the module docstring
     describes. ``cfg``: the source run's config (its data, optimizer and train settings are kept)."""
-    from dufu.config import ConfigDict, LazyCall, LazyConfig
-    from dufu.data import build_tokenizer
-    from dufu.engine.checkpoint import Checkpointer
-    from dufu.engine.pretrained import pretrained_model
-
     out = Path(output_dir)
     if (out / "checkpoints").exists() or (out / "config.yaml").exists():
         raise DufuError(f"{out} already holds a model directory or run; give a new output directory (or delete "
@@ -141,9 +135,6 @@ def prune_run(source: str | Path, output_dir: str | Path, heads_keep: float, ffn
     """Load ``source`` (a dufu run / checkpoint or a Hugging Face directory), prune it and write ``output_dir``
     (see the module docstring). ``batches``: the data of ``first-order`` importance; by default, for a run,
     ``num_batches`` batches of ``batch_size`` samples of its validation split."""
-    from dufu.compress.prune import apply_plan, count_parameters, plan_pruning
-    from dufu.compress.prune_families import family_of
-
     model, cfg, tokenizer_file, what = load_source(source)
     if importance == "first-order" and batches is None:
         batches = validation_batches(cfg, tokenizer_file, num_batches, batch_size)
@@ -191,5 +182,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":  # python -m dufu.engine.prune_cli SOURCE OUTPUT_DIR ...
+if __name__ == "__main__":  # python -m dufu.cli.prune SOURCE OUTPUT_DIR ...
     raise SystemExit(main())

@@ -19,7 +19,17 @@ from pathlib import Path
 
 import torch
 
+from dufu.cli.quantize import is_quantized_dir, load_quantized_for_generation
+from dufu.config import LazyConfig, instantiate
+from dufu.data import build_tokenizer
+from dufu.engine.convert import resolve_checkpoint
+from dufu.engine.delta_run import is_delta_checkpoint, load_delta_run
+from dufu.engine.generate import StopStrings, continuation_text, generate, is_encoder_decoder
+from dufu.engine.pretrained import from_pretrained, pretrained_model
+from dufu.engine.streaming import load_streaming, parse_bytes
 from dufu.errors import DataError
+from dufu.models.hub import read_hf_config
+from dufu.models.base import contract_of
 
 USAGE_EPILOG = """examples:
   dufu generate output/default --prompt "The "
@@ -38,16 +48,10 @@ def load_for_generation(path: str | Path, device: str = "cpu", max_memory: int |
     ``max_memory`` (bytes): keep at most that much of the model's tensors in memory and stream the other blocks
     from the memory-mapped safetensors (:mod:`dufu.engine.streaming`), reserving room for ``batch_size`` rows of
     the longest of ``prompts`` plus ``max_new_tokens``."""
-    from dufu.data import build_tokenizer
-    from dufu.engine.pretrained import from_pretrained, pretrained_model
-    from dufu.models.hub import read_hf_config
-
     path = Path(path)
     if not path.exists():
         raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
                         "Hugging Face model directory.")
-    from dufu.engine.quantize_cli import is_quantized_dir, load_quantized_for_generation
-
     if is_quantized_dir(path):  # written by `dufu quantize`
         if max_memory is not None:
             raise DataError(f"{path} is a quantized model directory; --max-memory streams fp32/bf16 safetensors "
@@ -61,11 +65,6 @@ def load_for_generation(path: str | Path, device: str = "cpu", max_memory: int |
             eos = eos[0] if eos else None
         eos = eos if eos is not None else tokenizer.eod_id
     else:
-        from dufu.config import LazyConfig, instantiate
-        from dufu.engine.convert import resolve_checkpoint
-
-        from dufu.engine.delta_run import is_delta_checkpoint, load_delta_run
-
         ckpt = resolve_checkpoint(path)
         model = None if max_memory is not None else (  # a delta run: its base + the delta
             load_delta_run(ckpt) if is_delta_checkpoint(ckpt) else pretrained_model(ckpt))
@@ -76,8 +75,6 @@ def load_for_generation(path: str | Path, device: str = "cpu", max_memory: int |
             tokenizer = instantiate(LazyConfig.load(str(ckpt / "config.yaml")).tokenization.tokenizer)
         eos = tokenizer.eod_id
     if max_memory is not None:  # stream what does not fit, with room reserved for these prompts
-        from dufu.engine.streaming import load_streaming
-
         longest = max((len(tokenizer.encode(p)) for p in prompts), default=0)
         model = load_streaming(path, max_memory, device, batch_size=batch_size,
                                max_tokens=max(1, longest + max_new_tokens))
@@ -166,8 +163,6 @@ def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
 
 def generate_texts(model, tokenizer, eos, prompts: list[str], args) -> list[str]:
     """The printed result of each prompt: prompt + continuation (causal LM) or the decoder's output (T5)."""
-    from dufu.engine.generate import StopStrings, continuation_text, generate, is_encoder_decoder
-
     seq2seq = is_encoder_decoder(model)
     rows = []
     for text in prompts:
@@ -183,7 +178,7 @@ def generate_texts(model, tokenizer, eos, prompts: list[str], args) -> list[str]
     out = generate(
         model, prompt, args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
         eos_id=eos, attention_mask=mask if not bool(mask.all()) else None,
-        max_context=getattr(model, "max_position_embeddings", None),
+        max_context=contract_of(model).max_position_embeddings,
         generator=torch.Generator(device=args.device).manual_seed(args.seed),
         repetition_penalty=args.repetition_penalty, num_beams=args.num_beams, length_penalty=args.length_penalty,
         stop=stop, pad_id=eos if eos is not None else 0,
@@ -198,8 +193,6 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     check_args(args, parser)
     prompts = read_prompts(args, parser)
-    from dufu.engine.streaming import parse_bytes
-
     max_memory = parse_bytes(args.max_memory) if args.max_memory is not None else None
     model, tokenizer, eos = load_for_generation(args.source, args.device, max_memory=max_memory, prompts=prompts,
                                                 max_new_tokens=args.max_new_tokens,

@@ -1,17 +1,23 @@
-"""Cache directory, atomic writes and a cross-process lock for the data pipeline.
+"""dufu's on-disk cache: where it lives, the keys of its entries, atomic writes and a cross-process lock.
 
-Everything the data pipeline derives from user input (trained tokenizers,
-preprocessed token files) lives under one cache directory:
+Everything dufu derives once and reuses across runs lives under one cache directory,
+``$DUFU_CACHE_DIR`` if set, else ``~/.cache/dufu``:
 
-* ``$DUFU_CACHE_DIR`` if set, else ``~/.cache/dufu``;
-* ``<cache>/tokenizers/bpe-<hash>.json`` for trained BPE tokenizers;
-* ``<cache>/datasets/<hash>/`` for preprocessed datasets.
+* ``<cache>/tokenizers/bpe-<hash>.json``: trained BPE tokenizers (dufu.data.tokenizer);
+* ``<cache>/datasets/<hash>/``: preprocessed datasets (dufu.data.dataset), and
+  ``<cache>/token_ids/<hash>.json`` the largest token id of a Megatron file (dufu.data.indexed_dataset);
+* ``<cache>/streaming/<hash>/``: Hugging Face weights converted for streamed inference (dufu.engine.streaming_source);
+* ``<cache>/inductor/``: torch.compile's persistent caches (dufu.parallel.compile);
+* ``<cache>/peak_flops.json`` and ``<cache>/plan_hardware.json``: measured matmul peaks (dufu.engine.flops) and this
+  machine's CPU (dufu.plan.cpu).
 
 Each entry is keyed by a hash of everything that determines its content, so an
 entry is never stale: a changed input gets a new key. Entries are written to a
 temporary name and renamed into place, so a crash never leaves a file that
 looks complete. Under ``torchrun`` every rank may try to build the same entry
 at once; :func:`file_lock` makes the others wait and then reuse it.
+
+Below every package that keeps something there (data, engine, parallel, plan), and it imports nothing of dufu.
 """
 
 from __future__ import annotations

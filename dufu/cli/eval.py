@@ -18,11 +18,17 @@ FILE`` evaluates a text/jsonl file or a preprocessed prefix instead, all of it. 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import tempfile
 from pathlib import Path
 
-from dufu.errors import ConfigError, DataError
+from dufu.cli.config_args import refuse_unknown_flags
+from dufu.config import LazyCall, LazyConfig, resolve_config_path
+from dufu.errors import ConfigError, DataError, DufuError
+
+# The imports inside the functions below import torch (about 2 s), which `dufu eval --help` and an argument error
+# do without.
 
 USAGE_EPILOG = """examples:
   dufu eval output/default
@@ -60,13 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def source_config(source: str, config: str | None, overrides: list[str]):
     """(config, checkpoint or None, kind) to evaluate ``source`` with: see the module docstring."""
-    from dufu.config import LazyCall, LazyConfig, resolve_config_path
-
     path = Path(source)
     if not path.exists():
         raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
                         "Hugging Face model directory.")
-    from dufu.engine.quantize_cli import is_quantized_dir
+    from dufu.compress.quantize_io import is_quantized_dir
 
     quantized = is_quantized_dir(path)
     if quantized or (path / "config.json").is_file():
@@ -141,66 +145,66 @@ def prepare(source: str, config: str | None, overrides: list[str], world_size: i
 def evaluate_source(source: str, config: str | None = None, overrides: list[str] = (), data: str | None = None,
                     eval_iter: int | None = None) -> dict:
     """Evaluate ``source`` in this process's layout (every rank of a job calls it); returns the metrics, with
-    what was evaluated."""
-    from dufu.engine.evaluation import evaluate
-    from dufu.engine.trainer import Trainer
-
-    cfg, ckpt, kind, notes = prepare(source, config, list(overrides), int(os.environ.get("WORLD_SIZE", 1)))
+    what was evaluated. Builds the run's :class:`~dufu.engine.runtime.Runtime` only: no optimizer, sampler or
+    checkpointer."""
+    # torch and the engine load only when a subcommand runs (dufu --help stays fast)
+    from dufu.compress.quantize_io import load_quantized
     from dufu.engine.checkpoint import Checkpointer
     from dufu.engine.delta_run import is_delta_checkpoint
+    from dufu.engine.evaluation import evaluate
+    from dufu.engine.runtime import Runtime
 
-    # A delta checkpoint holds the delta only: it is resumed, so the base comes from its source as in training.
-    # Any other checkpoint gives the model weights alone (it may hold no optimizer state, e.g. a pruned model).
+    cfg, ckpt, kind, notes = prepare(source, config, list(overrides), int(os.environ.get("WORLD_SIZE", 1)))
+    # A delta checkpoint holds the delta only: its base comes from its source as in training (the runtime starts
+    # from it as from a resumed delta run). Any other checkpoint gives the model weights alone (it may hold no
+    # optimizer state, e.g. a pruned model).
     delta = ckpt is not None and is_delta_checkpoint(ckpt)
     with tempfile.TemporaryDirectory(prefix="dufu-eval-") as scratch:
         cfg.train.output_dir = scratch  # nothing is written to the run
         cfg.train.evaluation.eval_iter = 10**9  # capped below, once the validation set is known
-        cfg.train.checkpointer.async_save = False
-        trainer = Trainer(cfg, resume=ckpt if delta else False, log=lambda *a, **k: None)
-        if data is not None:
-            trainer.valid_ds = whole_file_dataset(data, trainer)
-        if trainer.valid_ds is None:
+        rt = Runtime(cfg, resume=ckpt if delta else False, log=lambda *a, **k: None)
+        valid_ds = whole_file_dataset(data, rt) if data is not None else rt.valid_ds
+        if valid_ds is None:
             raise DataError("the config has no validation split (dataloader.train.valid_fraction=0); give one "
                             "with dataloader.train.valid_fraction=0.05, or evaluate a file with --data FILE.")
-        batches = len(trainer.valid_ds) // trainer.global_batch_size
+        batches = len(valid_ds) // rt.global_batch_size
         if batches == 0:
-            raise DataError(f"the validation data has {len(trainer.valid_ds)} samples, fewer than one global batch "
-                            f"({trainer.global_batch_size}); lower train.global_batch_size (and "
+            raise DataError(f"the validation data has {len(valid_ds)} samples, fewer than one global batch "
+                            f"({rt.global_batch_size}); lower train.global_batch_size (and "
                             "train.train_micro_batch_size) or give more data.")
         if eval_iter is not None:
             if eval_iter < 1:
                 raise ConfigError(f"--eval-iter {eval_iter}: give 1 or more global batches.")
             batches = min(batches, eval_iter)
-        trainer.cfg.train.evaluation.eval_iter = batches
+        cfg.train.evaluation.eval_iter = batches
         if kind == "quantized directory":
-            from dufu.engine.quantize_cli import load_quantized
-
-            trainer.model = load_quantized(source).to(trainer.device)
-            trainer.model_parts = [trainer.model]
-        if delta:
-            trainer.load_checkpoint(ckpt)
-        elif ckpt is not None:  # each rank reads the chunks of its own shards (DCP), in this layout
-            Checkpointer(ckpt.parent, rank=trainer.rank).load_model(ckpt, trainer.model_parts)
-            trainer.step = int(Checkpointer.read_meta(ckpt).get("step", 0))
-        metrics = evaluate(trainer)
+            rt.replace_model(load_quantized(source).to(rt.device))
+        step = None
+        if ckpt is not None:  # each rank reads the chunks of its own shards (DCP), in this layout
+            reader = Checkpointer(ckpt.parent, rank=rt.rank)
+            if delta:
+                reader.set_delta_only()
+            reader.load_model(ckpt, rt.model_parts)
+            step = int(Checkpointer.read_meta(ckpt).get("step", 0))
+        metrics = evaluate(rt, valid_ds)
     return {"source": str(source), "kind": kind, "checkpoint": str(ckpt) if ckpt else None,
-            "step": trainer.step if ckpt else None, "model": trainer.model_name,
-            "parameters": trainer.num_parameters, "world_size": trainer.world_size,
-            "layout": trainer.dims.describe(),
-            "dtype": str(trainer.amp_dtype).replace("torch.", "") if trainer.amp_dtype else "float32",
-            "data": data or "validation split of the config's data", "global_batch_size": trainer.global_batch_size,
-            "seq_length": trainer.seq_length,
+            "step": step, "model": rt.model_name,
+            "parameters": rt.num_parameters, "world_size": rt.world_size,
+            "layout": rt.dims.describe(),
+            "dtype": str(rt.amp_dtype).replace("torch.", "") if rt.amp_dtype else "float32",
+            "data": data or "validation split of the config's data", "global_batch_size": rt.global_batch_size,
+            "seq_length": rt.seq_length,
             "batches": batches, "notes": notes, **metrics}
 
 
-def whole_file_dataset(data: str, trainer):
+def whole_file_dataset(data: str, runtime):
     """Every sample of ``data`` (text, jsonl or a preprocessed prefix), tokenized with the run's tokenizer."""
-    from dufu.data import TokenDataset, build_lm_datasets
+    from dufu.data import TokenDataset, build_lm_datasets  # as above: only when the subcommand runs
 
-    if not isinstance(trainer.valid_ds, (TokenDataset, type(None))):
+    if not isinstance(runtime.valid_ds, (TokenDataset, type(None))):
         raise ConfigError(f"--data evaluates language-model text; this run's validation data is a "
-                          f"{type(trainer.valid_ds).__name__}. Change the run's dataloader.train.* keys instead.")
-    whole, _ = build_lm_datasets(data, trainer.tokenizer, trainer.seq_length, valid_fraction=0.0)
+                          f"{type(runtime.valid_ds).__name__}. Change the run's dataloader.train.* keys instead.")
+    whole, _ = build_lm_datasets(data, runtime.tokenizer, runtime.seq_length, valid_fraction=0.0)
     return whole
 
 
@@ -217,3 +221,35 @@ def format_table(r: dict) -> str:
         lines.append(f"  accuracy    {100 * r['eval_accuracy']:.2f}%")
     lines += [f"  note        {n}" for n in r.get("notes", ())]
     return "\n".join(lines)
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    overrides = list(args.overrides) + extra
+    refuse_unknown_flags(overrides, "eval")
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ:
+        from dufu.cli.torchrun import run_torchrun
+        from dufu.engine.delta_run import is_delta_checkpoint
+        from dufu.engine.preflight import preflight
+        from dufu.parallel.launch import torchrun_command
+
+        if args.nproc < 1:
+            raise DufuError(f"--nproc {args.nproc}: give 1 or more processes.")
+
+        cfg, ckpt, _, _ = prepare(args.source, args.config, overrides, args.nproc)
+        preflight(cfg, world_size=args.nproc,  # one clear error, before any worker starts
+                  resume=ckpt if ckpt is not None and is_delta_checkpoint(ckpt) else False)
+        forwarded = [args.source, *overrides]
+        for flag, value in (("--config", args.config), ("--data", args.data), ("--eval-iter", args.eval_iter)):
+            if value is not None:
+                forwarded += [flag, str(value)]
+        forwarded += ["--json"] if args.json else []
+        return run_torchrun(torchrun_command(args.nproc, forwarded, command="eval"))
+    from dufu.parallel.launch import finish_distributed
+
+    result = evaluate_source(args.source, args.config, overrides, args.data, args.eval_iter)
+    if os.environ.get("RANK", "0") == "0":
+        print(json.dumps(result, indent=1) if args.json else format_table(result), flush=True)
+    finish_distributed(0)
+    return 0

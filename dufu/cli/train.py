@@ -1,0 +1,117 @@
+"""`dufu train [CONFIG] [--nproc N] [key=value ...]`: load the config, let the planner fill the layout values left
+``auto``, then train in this process or check the config once and start the workers through torchrun."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+from dufu.cli.config_args import load_train_config, parse_config_args
+from dufu.config import LazyConfig
+from dufu.errors import DufuError
+
+# The imports inside the functions below all import torch (about 2 s): `dufu train --help`, --show-config and a
+# config error answer without it, and the launcher imports the checks it runs, not the trainer.
+
+
+def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="dufu train", description="Train a model from a config.")
+    parser.add_argument("config", nargs="?", default=None,
+                        help="a .py or .yaml config, or a packaged recipe name (see `dufu configs`); default: default")
+    parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
+    parser.add_argument("--resume-if-exists", action="store_true",
+                        help="resume when train.output_dir holds a checkpoint, else start fresh (used for restarts)")
+    parser.add_argument("--show-config", action="store_true", help="print the resolved config as YAML and exit")
+    parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
+                        help="processes per node; dufu starts them through torchrun")
+    parser.add_argument("--nnodes", default=None, help="number of nodes (torchrun --nnodes)")
+    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (torchrun --node-rank)")
+    parser.add_argument("--master-addr", default=None, help="address of node 0 (torchrun --master-addr)")
+    parser.add_argument("--master-port", type=int, default=None, help="port on node 0 (torchrun --master-port)")
+    parser.add_argument("--rdzv-endpoint", default=None,
+                        help="HOST:PORT of the rendezvous of an elastic job (torchrun's c10d rendezvous); with "
+                             "--nnodes MIN:MAX nodes may leave and join, the job restarts at the new world size")
+    parser.add_argument("--rdzv-id", default=None, help="the job's id at the rendezvous (the same on every node)")
+    parser.add_argument("--max-restarts", type=int, default=None,
+                        help="restart a failed job up to N times, resuming from the last complete checkpoint")
+    parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.train_iter=100 optim.lr=1e-3")
+    args, config, overrides = parse_config_args(parser, argv, "train")
+    cfg = load_train_config(config, overrides)
+    launching = args.nproc is not None and "LOCAL_RANK" not in os.environ
+    nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
+    world_size = args.nproc * nnodes if launching else int(os.environ.get("WORLD_SIZE", 1))
+    notice = os.environ.get("DUFU_PLAN_NOTICE") or resolve_auto(cfg, world_size)  # `auto` layout values
+    if launching:
+        if notice:  # the workers run the chosen layout, and say why in their start-up summary
+            from dufu.plan.auto import resolved_overrides
+
+            overrides = overrides + resolved_overrides(cfg)
+            os.environ["DUFU_PLAN_NOTICE"] = notice
+        return launch(args, config, overrides, cfg)
+    if args.show_config:
+        with tempfile.TemporaryDirectory() as d:
+            LazyConfig.save(cfg, os.path.join(d, "config.yaml"))
+            print(open(os.path.join(d, "config.yaml")).read())
+        return 0
+    from dufu.engine.preemption import PREEMPTED_EXIT_CODE
+    from dufu.engine.trainer import Trainer
+    from dufu.parallel.launch import finish_distributed
+
+    trainer = Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume, notices=[notice] if notice else ())
+    trainer.train()
+    code = PREEMPTED_EXIT_CODE if trainer.preempted else 0  # a scheduler requeues the job (dufu.engine.preemption)
+    finish_distributed(code)
+    return code
+
+
+def resolve_auto(cfg, world_size: int):
+    """Let the planner choose the layout values left ``auto`` (dufu.plan.auto), in ``cfg``; returns the start-up
+    summary's line about it, or None when the config sets every value (the planner is then not imported)."""
+    from dufu.engine.schema import auto_layout_keys
+
+    if not auto_layout_keys(cfg):
+        return None
+    from dufu.plan.auto import resolve_auto_layout
+
+    return resolve_auto_layout(cfg, world_size)
+
+
+def launch(args, config, overrides, cfg) -> int:
+    """Check the config for the requested world size here, once, then start the workers through torchrun."""
+    from dufu.cli.torchrun import run_torchrun
+    from dufu.engine.preemption import PREEMPTED_EXIT_CODE, read_marker
+    from dufu.engine.preflight import preflight
+    from dufu.parallel.launch import torchrun_command
+
+    nodes = [int(n) for n in str(args.nnodes).split(":")] if args.nnodes else [1]
+    nnodes = nodes[-1]
+    if args.max_restarts and not cfg.train.checkpointer.period:
+        raise DufuError(
+            f"--max-restarts {args.max_restarts} with periodic checkpoints turned off "
+            f"(train.checkpointer.period={cfg.train.checkpointer.get('period')!r}): a restarted job resumes from the "
+            "last checkpoint, and there would be none, so every restart would begin again at step 0. Set "
+            "train.checkpointer.period to a number of steps (e.g. train.checkpointer.period=100).")
+    resume = True if args.resume else ("auto" if args.max_restarts else False)
+    if len(nodes) > 1 and nodes[0] != nodes[-1]:  # elastic: the layout is derived again at every world size
+        from dufu.engine.elastic import check_elastic_range
+
+        check_elastic_range(cfg, args.nproc, nodes[0], nodes[-1], resume)
+    else:
+        preflight(cfg, world_size=args.nproc * nnodes, resume=resume)
+    argv = ([config] if config else []) + overrides
+    if args.resume or args.max_restarts:
+        # A restarted worker group must continue from the last complete checkpoint, not start over.
+        argv.append("--resume-if-exists" if not args.resume else "--resume")
+    cmd = torchrun_command(args.nproc, argv, nnodes=args.nnodes, node_rank=args.node_rank,
+                           master_addr=args.master_addr, master_port=args.master_port,
+                           max_restarts=args.max_restarts, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
+                           shutdown_timeout=cfg.train.preemption.grace_seconds)
+    code = run_torchrun(cmd)
+    preempted = read_marker(cfg.train.output_dir)
+    if code != 0 and preempted is not None:
+        print(f"preempted by {preempted['signal']} at step {preempted['step']}: the checkpoint is complete; "
+              "continue with --resume", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
+    return code
