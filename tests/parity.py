@@ -58,7 +58,7 @@ class Precision:
 
 
 PRECISIONS = {
-    # Reduction order alone: fp32 sums agree to ~1e-6 relative (ARCHITECTURE.md); 10x margin for the loss. For the
+    # Reduction order alone: fp32 sums agree to ~1e-6 relative (docs/architecture.md); 10x margin for the loss. For the
     # weights see assert_weights_match: eta = 1e-3 covers gradients at roundoff level under Adam's eps.
     "fp32": Precision(loss_rel=1e-5, update_rel=1e-3, outliers=1e-3),
     # bf16 keeps 8 significant bits: unit roundoff u = 2**-8 ~ 4e-3 per rounding. Activations of a 2-layer
