@@ -20,7 +20,7 @@ or whose predicted memory would not fit in the machine's available memory, is no
 **Peak activation memory of a rank** = the kernel's high-water mark of the process's resident memory (``VmHWM`` in
 ``/proc/self/status``) during the last training step, minus its resident memory (``VmRSS``) just before that step, the
 high-water mark having been reset there (``5`` written to ``/proc/self/clear_refs``). The trainer records no memory
-itself (``dufu.engine.report`` logs loss, tokens/s and MFU), so a hook of the trainer
+itself (``dufu.engine.reporting.report`` logs loss, tokens/s and MFU), so a hook of the trainer
 (``benchmarks/context_parallel_probe.py``, given to every worker through ``train.hooks``) takes the readings from the
 start of each step to its end (``on_step_start``, ``after_optimizer``). Weights, optimizer state and the data are
 resident before the step, so the difference is what the step allocates on top: activations saved for the backward, the

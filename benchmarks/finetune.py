@@ -477,7 +477,7 @@ def report_md(args, phases, info, peaks, started, wall) -> str:
                     "batches"]
     out += ["", f"Machine: {info['cpu']} ({', '.join(info['cpu_features']) or 'no AVX-512/AMX'}), "
             f"{info['logical_cpus']} logical CPUs, {info['torch_threads']} torch threads; {machine.peaks_text(info)} "
-            f"(dufu.engine.flops.matmul_speeds); torch {info['torch']}, transformers {info['transformers']}, Python "
+            f"(dufu.engine.reporting.flops.matmul_speeds); torch {info['torch']}, transformers {info['transformers']}, Python "
             f"{info['python']}; {info['platform']}. Date {started.isoformat(timespec='seconds')}; the benchmark took "
             f"{wall:.0f} s. Load average (1/5/15 min) {info['load_average_at_start']} at start, "
             f"{info['load_average_at_end']} at end.", ""]

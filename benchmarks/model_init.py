@@ -11,7 +11,7 @@ Four ways to get a model, each in a fresh process (so its peak resident memory, 
                            ``dufu.parallel.materialize.materialize_`` allocates and fills each module from its
                            per-module seeded rule (one module's full-size copy at a time).
 * ``construct + load``   -- a pretrained start the old way: construct (random init), then
-                           ``dufu.engine.pretrained.load_pretrained`` copies the Hugging Face weights over it.
+                           ``dufu.engine.weights.pretrained.load_pretrained`` copies the Hugging Face weights over it.
 * ``from_pretrained``    -- ``dufu.from_pretrained`` now: build on meta, read each tensor into place (nothing
                            random is generated for what the checkpoint holds).
 
@@ -49,7 +49,7 @@ WORKER = r'''
 import json, sys, time
 import torch
 from dufu.models.gpt import GPTModel
-from dufu.engine import pretrained
+from dufu.engine.weights import pretrained
 from dufu.models import hub
 from dufu.parallel.materialize import materialize_
 from harness.proc import status_kib

@@ -28,7 +28,7 @@ each is kept (the first one pays for the profiler's start).
 2, 4, everything else equal (micro-batch 4 per rank, so 16 x 128 tokens per step; ``train.log_period=1``); the
 runs are interleaved (1 2 4, 4 2 1, ...) ``--repeats`` times, 16 steps each. The step time is the median of
 ``step_time_s`` in the run's ``metrics.jsonl`` after the first 4 steps (the slowest rank's step time, see
-``dufu.engine.report.StepClock``).
+``dufu.engine.reporting.report.StepClock``).
 Every worker's Trainer gets a hook through ``train.hooks`` (``benchmarks/moe_probe.py``) that times, per step and
 rank, changing nothing the run computes: the step (``on_step_start`` to ``after_optimizer``); dispatch and combine
 (the experts modules' forward pre-hooks and hooks, ``ExpertDispatch``'s among them); the token all-to-all in
@@ -124,7 +124,7 @@ class _Contender:
         return self.drawn.samples
 
     def describe(self) -> dict:
-        from dufu.engine.flops import count_matmul_params
+        from dufu.engine.reporting.flops import count_matmul_params
 
         rt = self.trainer.runtime
         inactive = rt.moe.inactive_parameters if rt.moe else 0

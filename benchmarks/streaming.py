@@ -10,7 +10,7 @@ fp32, built by dufu with its family's initialisation (GPT-2: N(0, 0.02), residua
 1/sqrt(2 x layers); LLaMA: N(0, 0.02)) under a fixed seed and written with ``dufu.save_pretrained`` to a temporary
 Hugging Face directory (one ``model.safetensors``, just written, so in the page cache: the runs read it from
 memory, not from the disk). GPT-2's file is converted once into dufu's layout (``plan_streaming`` does it, timed
-as "prepared"; see dufu/engine/streaming_source.py); LLaMA's is read in place.
+as "prepared"; see dufu/engine/inference/streaming_source.py); LLaMA's is read in place.
 
 **Settings**, each in a fresh subprocess (``--worker``) with ``--threads`` threads (default 1):
 
@@ -22,7 +22,7 @@ as "prepared"; see dufu/engine/streaming_source.py); LLaMA's is read in place.
   what any run holds besides the model (interpreter, torch, kernels' scratch, allocator).
 
 Each worker generates ``--tokens`` tokens greedily from the same random ``--prompt-len``-token prompt
-(``dufu.engine.generate.generate``, KV cache), after one untimed 2-token warm-up generation.
+(``dufu.engine.inference.generate.generate``, KV cache), after one untimed 2-token warm-up generation.
 
 **Columns.** tokens/s: new tokens over the wall time of the timed ``generate`` call (prompt pass included).
 Memory, from the kernel's counters of the worker process: *anon* is ``RssAnon`` of ``/proc/self/status``
@@ -82,9 +82,9 @@ def status() -> dict:
 def worker(directory: str, budget: int, prompt_len: int, tokens: int, out_path: str) -> int:
     import torch
 
-    from dufu.engine.generate import generate
-    from dufu.engine.pretrained import from_pretrained
-    from dufu.engine.streaming import load_streaming
+    from dufu.engine.inference.generate import generate
+    from dufu.engine.weights.pretrained import from_pretrained
+    from dufu.engine.inference.streaming import load_streaming
 
     baseline = status()
     start = time.perf_counter()
@@ -213,7 +213,7 @@ def main(argv=None) -> int:
     load_start = os.getloadavg()
     print(f"streaming benchmark: {info['cpu']}, {args.threads} thread(s) per worker; load average "
           f"{load_start[0]:.1f}", flush=True)
-    from dufu.engine.streaming import plan_streaming
+    from dufu.engine.inference.streaming import plan_streaming
 
     rows = []
     with tempfile.TemporaryDirectory(prefix="dufu-streaming-") as tmp:

@@ -32,7 +32,7 @@ checks that the three first losses agree before it times anything.
 Timing: per dtype phase, every implementation is built fresh, then ``--warmup`` steps each, then ``--steps``
 timed steps each, interleaved round robin with the starting implementation rotating from round to round, so
 slow drift of a noisy machine hits all three alike. The median step time gives tokens/s. MFU uses dufu's
-formula for all three (``dufu.engine.flops``: ``6 N + 12 L H T`` FLOPs per token, N from
+formula for all three (``dufu.engine.reporting.flops``: ``6 N + 12 L H T`` FLOPs per token, N from
 ``count_matmul_params`` of the dufu model) and the device peak of ``device_peak_flops(device, dtype)``
 (on a CPU the best large-matmul throughput measured during this run: dufu measures at every call and keeps
 the best value in ``DUFU_CACHE_DIR``, which is a temporary directory here).
@@ -73,7 +73,7 @@ from torch.profiler import record_function
 from dufu.config import LazyConfig, resolve_config_path
 from dufu.data import collate
 from dufu.data.tokenizer import BYTE_VOCAB_SIZE
-from dufu.engine.flops import count_matmul_params, device_peak_flops, flops_per_token
+from dufu.engine.reporting.flops import count_matmul_params, device_peak_flops, flops_per_token
 from dufu.engine.batch import to_model_inputs
 from dufu.engine.trainer import Trainer
 from harness import machine, proc, results

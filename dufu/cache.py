@@ -6,9 +6,9 @@ Everything dufu derives once and reuses across runs lives under one cache direct
 * ``<cache>/tokenizers/bpe-<hash>.json``: trained BPE tokenizers (dufu.data.tokenizer);
 * ``<cache>/datasets/<hash>/``: preprocessed datasets (dufu.data.dataset), and
   ``<cache>/token_ids/<hash>.json`` the largest token id of a Megatron file (dufu.data.indexed_dataset);
-* ``<cache>/streaming/<hash>/``: Hugging Face weights converted for streamed inference (dufu.engine.streaming_source);
+* ``<cache>/streaming/<hash>/``: Hugging Face weights converted for streamed inference (dufu.engine.inference.streaming_source);
 * ``<cache>/inductor/``: torch.compile's persistent caches (dufu.parallel.compile);
-* ``<cache>/peak_flops.json`` and ``<cache>/plan_hardware.json``: measured matmul peaks (dufu.engine.flops) and this
+* ``<cache>/peak_flops.json`` and ``<cache>/plan_hardware.json``: measured matmul peaks (dufu.engine.reporting.flops) and this
   machine's CPU (dufu.plan.cpu).
 
 Each entry is keyed by a hash of everything that determines its content, so an

@@ -123,7 +123,7 @@ def losses(output_dir) -> list[float]:
 
 def consolidated_state(ckpt) -> dict:
     """A checkpoint's full model state in this process, whatever layout wrote it (dufu's public API)."""
-    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer
 
     ckpt = Path(ckpt)
     return Checkpointer(ckpt.parent).consolidated_model_state(ckpt)

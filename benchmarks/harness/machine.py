@@ -1,7 +1,7 @@
 """What a result was measured on: the machine (CPU model and the features that decide which dtype is fast, cores,
 memory, versions, the fp32 and bf16 matmul peaks measured now) and the dufu code (commit, files changed).
 
-The peaks are measured by dufu itself (:func:`dufu.engine.flops.matmul_speeds`, the alternating fp32 / bf16
+The peaks are measured by dufu itself (:func:`dufu.engine.reporting.flops.matmul_speeds`, the alternating fp32 / bf16
 matmuls that ``train.amp.enabled=auto`` decides from, :mod:`dufu.engine.precision`), with this process's torch
 threads, so a result's machine says how fast this CPU multiplies in each dtype while the benchmark ran.
 """
@@ -39,11 +39,11 @@ def measured_peaks() -> dict:
     """GFLOP/s of large fp32 and bf16 matmuls on this CPU now, this process's threads (dufu's measurement)."""
     import torch
 
-    from dufu.engine.flops import matmul_speeds
+    from dufu.engine.reporting.flops import matmul_speeds
 
     speeds = matmul_speeds(torch.device("cpu"), (torch.float32, torch.bfloat16))
     return {"fp32": round(speeds[torch.float32] / 1e9, 1), "bf16": round(speeds[torch.bfloat16] / 1e9, 1),
-            "threads": torch.get_num_threads(), "measured_by": "dufu.engine.flops.matmul_speeds"}
+            "threads": torch.get_num_threads(), "measured_by": "dufu.engine.reporting.flops.matmul_speeds"}
 
 
 def git(*args: str) -> str:

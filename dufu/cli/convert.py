@@ -1,4 +1,4 @@
-"""`dufu convert CKPT (--to-hf DIR | --to-torch FILE.pt)`: the command line of :mod:`dufu.engine.convert`, which
+"""`dufu convert CKPT (--to-hf DIR | --to-torch FILE.pt)`: the command line of :mod:`dufu.engine.weights.convert`, which
 writes a sharded checkpoint as a Hugging Face directory or one consolidated file."""
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ def main(argv: list[str]) -> int:
                         help="with --to-hf, for a LoRA delta run (written as a PEFT adapter naming its base): write "
                         "the model with the LoRA updates merged into the weights instead")
     args = parser.parse_args(argv)
-    from dufu.engine import convert  # imports torch: not for --help
+    from dufu.engine.weights import convert  # imports torch: not for --help
 
     if args.merge and not args.to_hf:
         raise DufuError("--merge applies to --to-hf (a LoRA delta run written as the merged model).")

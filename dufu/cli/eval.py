@@ -75,7 +75,7 @@ def source_config(source: str, config: str | None, overrides: list[str]):
     quantized = is_quantized_dir(path)
     if quantized or (path / "config.json").is_file():
         from dufu.data import build_tokenizer
-        from dufu.engine.pretrained import pretrained_model
+        from dufu.engine.weights.pretrained import pretrained_model
         from dufu.models.hub import build_from_hf_config, read_hf_config
 
         if not (path / "tokenizer.json").is_file():
@@ -93,13 +93,13 @@ def source_config(source: str, config: str | None, overrides: list[str]):
     if config is not None:
         raise ConfigError(f"--config applies to a Hugging Face directory; {path} is a dufu run, which is evaluated "
                           "with its own config.yaml (change its keys with key=value overrides).")
-    from dufu.engine.convert import resolve_checkpoint
+    from dufu.engine.weights.convert import resolve_checkpoint
 
     ckpt = resolve_checkpoint(path)
     if not (ckpt / "config.yaml").is_file():
         raise DataError(f"{ckpt} is not a dufu checkpoint with a config.yaml (nor a Hugging Face directory with a "
                         "config.json). Give a run's output_dir, a checkpoint directory or a Hugging Face directory.")
-    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer
 
     cfg = LazyConfig.load(str(ckpt / "config.yaml"))
     # The run's global batch, whatever layout it had: evaluation covers the same samples in every layout.
@@ -149,7 +149,7 @@ def evaluate_source(source: str, config: str | None = None, overrides: list[str]
     checkpointer."""
     # torch and the engine load only when a subcommand runs (dufu --help stays fast)
     from dufu.compress.quantize_io import load_quantized
-    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer
     from dufu.engine.delta_run import is_delta_checkpoint
     from dufu.engine.evaluation import evaluate
     from dufu.engine.runtime import Runtime

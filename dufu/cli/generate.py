@@ -22,11 +22,11 @@ import torch
 from dufu.cli.quantize import is_quantized_dir, load_quantized_for_generation
 from dufu.config import LazyConfig, instantiate
 from dufu.data import build_tokenizer
-from dufu.engine.convert import resolve_checkpoint
+from dufu.engine.weights.convert import resolve_checkpoint
 from dufu.engine.delta_run import is_delta_checkpoint, load_delta_run
-from dufu.engine.generate import StopStrings, continuation_text, generate, is_encoder_decoder
-from dufu.engine.pretrained import from_pretrained, pretrained_model
-from dufu.engine.streaming import load_streaming, parse_bytes
+from dufu.engine.inference.generate import StopStrings, continuation_text, generate, is_encoder_decoder
+from dufu.engine.weights.pretrained import from_pretrained, pretrained_model
+from dufu.engine.inference.streaming import load_streaming, parse_bytes
 from dufu.errors import DataError
 from dufu.models.hub import read_hf_config
 from dufu.models.base import contract_of
@@ -46,7 +46,7 @@ def load_for_generation(path: str | Path, device: str = "cpu", max_memory: int |
                         max_new_tokens: int = 0, batch_size: int = 1):
     """(model in eval mode, tokenizer, end-of-text id or None) from a dufu run/checkpoint or an HF directory.
     ``max_memory`` (bytes): keep at most that much of the model's tensors in memory and stream the other blocks
-    from the memory-mapped safetensors (:mod:`dufu.engine.streaming`), reserving room for ``batch_size`` rows of
+    from the memory-mapped safetensors (:mod:`dufu.engine.inference.streaming`), reserving room for ``batch_size`` rows of
     the longest of ``prompts`` plus ``max_new_tokens``."""
     path = Path(path)
     if not path.exists():

@@ -12,7 +12,7 @@ import os
 import signal
 import threading
 
-from dufu.engine.fault_tolerance import DEFAULT_PORT
+from dufu.engine.resilience.fault_tolerance import DEFAULT_PORT
 from dufu.errors import DufuError
 
 

@@ -20,7 +20,7 @@ validation split, built from the run's own config and tokenizer; from a Hugging 
     OUTPUT_DIR/prune.json                  what was done: source, fractions, importance, sizes and parameter counts
                                            before and after, the kept heads and neurons of every block
 
-So ``dufu generate OUTPUT_DIR``, ``model = L(dufu.engine.pretrained.pretrained_model)(path=OUTPUT_DIR)`` and
+So ``dufu generate OUTPUT_DIR``, ``model = L(dufu.engine.weights.pretrained.pretrained_model)(path=OUTPUT_DIR)`` and
 ``dufu convert OUTPUT_DIR --to-hf DIR`` (LLaMA; GPT-2 and BERT configs cannot express fewer heads than
 ``hidden_size / head_dim``) take it like any run.
 """
@@ -41,11 +41,11 @@ from dufu.compress.prune_families import family_of
 from dufu.config import ConfigDict, LazyCall, LazyConfig, instantiate
 from dufu.data import build_tokenizer, collate
 from dufu.engine.batch import to_model_inputs
-from dufu.engine.checkpoint import Checkpointer
-from dufu.engine.convert import resolve_checkpoint
+from dufu.engine.weights.checkpoint import Checkpointer
+from dufu.engine.weights.convert import resolve_checkpoint
 from dufu.engine.delta_run import is_delta_checkpoint
 from dufu.engine.preflight import with_kwargs
-from dufu.engine.pretrained import from_pretrained, pretrained_model
+from dufu.engine.weights.pretrained import from_pretrained, pretrained_model
 from dufu.errors import CheckpointError, DataError, DufuError
 
 USAGE_EPILOG = """examples:

@@ -22,9 +22,9 @@ from dufu.compress.quantize import INT4_GROUP_SIZES, SCHEMES, quantize_model, un
 from dufu.compress.quantize_io import is_quantized_dir, load_quantized, read_manifest, save_quantized
 from dufu.config import LazyConfig, instantiate
 from dufu.data import build_tokenizer
-from dufu.engine.convert import resolve_checkpoint
+from dufu.engine.weights.convert import resolve_checkpoint
 from dufu.engine.delta_run import is_delta_checkpoint
-from dufu.engine.pretrained import from_pretrained, pretrained_model
+from dufu.engine.weights.pretrained import from_pretrained, pretrained_model
 from dufu.errors import DataError, DufuError
 from dufu.models.hub import read_hf_config
 

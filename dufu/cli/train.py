@@ -55,13 +55,13 @@ def main(argv: list[str]) -> int:
             LazyConfig.save(cfg, os.path.join(d, "config.yaml"))
             print(open(os.path.join(d, "config.yaml")).read())
         return 0
-    from dufu.engine.preemption import PREEMPTED_EXIT_CODE
+    from dufu.engine.resilience.preemption import PREEMPTED_EXIT_CODE
     from dufu.engine.trainer import Trainer
     from dufu.parallel.launch import finish_distributed
 
     trainer = Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume, notices=[notice] if notice else ())
     trainer.train()
-    code = PREEMPTED_EXIT_CODE if trainer.preempted else 0  # a scheduler requeues the job (dufu.engine.preemption)
+    code = PREEMPTED_EXIT_CODE if trainer.preempted else 0  # a scheduler requeues the job (dufu.engine.resilience.preemption)
     finish_distributed(code)
     return code
 
@@ -81,7 +81,7 @@ def resolve_auto(cfg, world_size: int):
 def launch(args, config, overrides, cfg) -> int:
     """Check the config for the requested world size here, once, then start the workers through torchrun."""
     from dufu.cli.torchrun import run_torchrun
-    from dufu.engine.preemption import PREEMPTED_EXIT_CODE, read_marker
+    from dufu.engine.resilience.preemption import PREEMPTED_EXIT_CODE, read_marker
     from dufu.engine.preflight import preflight
     from dufu.parallel.launch import torchrun_command
 
@@ -95,7 +95,7 @@ def launch(args, config, overrides, cfg) -> int:
             "train.checkpointer.period to a number of steps (e.g. train.checkpointer.period=100).")
     resume = True if args.resume else ("auto" if args.max_restarts else False)
     if len(nodes) > 1 and nodes[0] != nodes[-1]:  # elastic: the layout is derived again at every world size
-        from dufu.engine.elastic import check_elastic_range
+        from dufu.engine.resilience.elastic import check_elastic_range
 
         check_elastic_range(cfg, args.nproc, nodes[0], nodes[-1], resume)
     else:

@@ -6,7 +6,7 @@ from dufu.config import LazyCall as L
 from dufu.data import build_tokenizer
 from dufu.data.classification import build_topic_classification_datasets
 from dufu.models.bert.pretrained import all_minilm_l6_v2
-from dufu.engine.pretrained import pretrained_model
+from dufu.engine.weights.pretrained import pretrained_model
 
 from .common.optim import optim
 from .common.train import train

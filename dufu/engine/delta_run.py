@@ -13,7 +13,7 @@ from dufu.models.base import contract_of
 
 
 def is_delta_checkpoint(ckpt: Path) -> bool:
-    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer
 
     return "delta" in Checkpointer.read_meta(ckpt)
 
@@ -25,8 +25,8 @@ def load_delta_run(ckpt: Path) -> nn.Module:
     from dufu.delta.base import base_fingerprint
     from dufu.delta.lora import init_dora_magnitudes
     from dufu.delta.spec import apply_delta
-    from dufu.engine.checkpoint import Checkpointer
-    from dufu.engine.pretrained import pretrained_source
+    from dufu.engine.weights.checkpoint import Checkpointer
+    from dufu.engine.weights.pretrained import pretrained_source
     from dufu.parallel.materialize import materialize_
 
     ckpt = Path(ckpt)

@@ -34,8 +34,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
 from dufu.errors import ConfigError
-from dufu.engine.checkpoint import Checkpointer
-from dufu.engine.pretrained import pretrained_model, pretrained_weights
+from dufu.engine.weights.checkpoint import Checkpointer
+from dufu.engine.weights.pretrained import pretrained_model, pretrained_weights
 from dufu.layers.loss import cross_entropy_loss
 from dufu.parallel.build import build_model_parts
 from dufu.parallel.pipeline import layer_stage_ids
@@ -96,7 +96,7 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, 
 def check_teacher(spec: Distillation, student) -> None:
     """The start-up check (:func:`dufu.engine.preflight.plan_run`, before any process group or worker): the
     teacher's vocabulary is the student's (``student``: the meta model)."""
-    from dufu.engine.pretrained import pretrained_model
+    from dufu.engine.weights.pretrained import pretrained_model
 
     with torch.device("meta"):
         teacher = pretrained_model(spec.teacher)

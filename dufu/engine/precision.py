@@ -1,7 +1,7 @@
 """Which dtype a run computes in: ``train.amp.enabled`` = "auto" (the default), True, False, "bf16" or "fp16".
 
 "auto" measures the device, it does not guess from its name: the throughput of a large matmul in fp32 and in the
-low-precision dtype, timed in alternation at start-up (dufu.engine.flops; known GPUs answer from the data
+low-precision dtype, timed in alternation at start-up (dufu.engine.reporting.flops; known GPUs answer from the data
 sheet). A CPU without a bf16 matrix unit (no AMX, no AVX512-BF16: Intel Ice Lake and older) runs bf16 matmuls
 at a quarter of fp32's speed, so bf16 autocast there makes a run several times slower; on AMX (Sapphire Rapids) bf16 is ~6x fp32, on Zen 4's
 AVX512-BF16 ~2x, on Ampere and newer GPUs ~16x.
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from dufu.engine.flops import device_peak_flops, matmul_speeds
+from dufu.engine.reporting.flops import device_peak_flops, matmul_speeds
 
 MIN_SPEEDUP = 1.25
 SETTINGS = ("auto", True, False, "bf16", "fp16")

@@ -17,14 +17,14 @@ import torch
 from torch import nn
 
 from dufu.config import instantiate
-from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.engine.distill import check_teacher
-from dufu.engine.fault_tolerance import check_config as check_fault_tolerance
+from dufu.engine.resilience.fault_tolerance import check_config as check_fault_tolerance
 from dufu.engine.lr_scheduler import fit_warmup_to_run
 from dufu.engine.schema import auto_layout_keys
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DufuError, LayoutError
-from dufu.engine.pretrained import Pretrained, load_pretrained, pretrained_weights
+from dufu.engine.weights.pretrained import Pretrained, load_pretrained, pretrained_weights
 from dufu.parallel.checks import validate_layout
 from dufu.parallel.expert_parallel import selective_checkpoint_notice
 from dufu.parallel.materialize import materialize_, supports_meta_init

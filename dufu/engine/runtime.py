@@ -25,9 +25,9 @@ import torch.distributed as dist
 
 from dufu.config import instantiate
 from dufu.data import collate
-from dufu.engine import report
+from dufu.engine.reporting import report
 from dufu.engine.batch import to_model_inputs
-from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.engine.distill import Teacher
 from dufu.engine.evaluation import evaluate
 from dufu.engine.global_loss import GlobalBatchLoss

@@ -144,7 +144,7 @@ class ZeroOptimization:
 @dataclass
 class Preemption:
     """SIGTERM / SIGUSR1 (a scheduler's preemption): every rank finishes its step, saves a checkpoint and exits
-    with code 75; the launcher gives the workers grace_seconds before it kills them. dufu.engine.preemption"""
+    with code 75; the launcher gives the workers grace_seconds before it kills them. dufu.engine.resilience.preemption"""
 
     enabled: bool = True
     grace_seconds: int = 120
@@ -165,7 +165,7 @@ class FaultTolerance:
     replica_parallel_size groups that train one model, coordinated by `dufu lighthouse` at `lighthouse`
     (http://HOST:PORT). mode: "replicate" (gradients averaged over the live groups every step), "diloco" (an outer
     Nesterov SGD step on the averaged pseudo-gradients every sync_every steps) or "local_sgd" (weights averaged
-    every sync_every steps). dufu.engine.fault_tolerance, docs/faults.md"""
+    every sync_every steps). dufu.engine.resilience.fault_tolerance, docs/faults.md"""
 
     enabled: bool = False
     lighthouse: Optional[str] = None

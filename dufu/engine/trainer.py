@@ -10,7 +10,7 @@ the checkpoints. The same loop runs every layout:
 * features that act on a step are hooks called at named points (:mod:`dufu.engine.hooks`): the MoE monitor,
   torchft replica groups, ``DUFU_FAULT``'s test faults, ``train.hooks`` and ``Trainer(hooks=...)``.
 
-What people read is in :mod:`dufu.engine.report`; failure messages in :mod:`dufu.engine.diagnose`.
+What people read is in :mod:`dufu.engine.reporting.report`; failure messages in :mod:`dufu.engine.diagnose`.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ import torch.distributed as dist
 
 from dufu.config import LazyConfig, instantiate
 from dufu.data import ResumableBatchSampler
-from dufu.engine import diagnose, fault_tolerance, faults, report
+from dufu.engine import diagnose
+from dufu.engine.reporting import report
+from dufu.engine.resilience import fault_tolerance, faults
 from dufu.engine.batch import local_scalar
-from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.engine.hooks import Hooks, RetryStep
-from dufu.engine.preemption import Preemption, clear_marker, write_marker
+from dufu.engine.resilience.preemption import Preemption, clear_marker, write_marker
 from dufu.engine.preflight import with_kwargs
 from dufu.engine.runtime import Runtime
 from dufu.errors import CheckpointError, DistributedFailure
@@ -223,7 +225,7 @@ class Trainer:
                 self.activity = f"while saving the checkpoint of step {self.step}"
                 log.checkpoint(self.save_checkpoint())
         self.checkpointer.wait()
-        if self.preempted and self.is_main:  # the launcher's exit code reads it (dufu.engine.preemption)
+        if self.preempted and self.is_main:  # the launcher's exit code reads it (dufu.engine.resilience.preemption)
             write_marker(self.output_dir, self.step, self.preempted)
         # no samples in a grace period
         summary = log.finish(stop_reason, list if self.preempted else self.runtime.sample_text)

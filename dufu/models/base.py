@@ -219,7 +219,7 @@ class InitByModule(ModelBase):
         """The end of every family's constructor: tie the head, remember where pretrained weights come from
         (``pretrained_path``) and, unless built on the meta device, initialise. Nothing is read here: whoever
         builds the model loads the weights as a separate step (the trainer shard by shard after a meta build,
-        or :func:`dufu.engine.pretrained.load_pretrained` in place)."""
+        or :func:`dufu.engine.weights.pretrained.load_pretrained` in place)."""
         self.tie_weights()
         self.pretrained_path = None if pretrained is None else str(pretrained)
         if not any(p.is_meta for p in self.parameters()):

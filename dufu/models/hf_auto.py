@@ -14,7 +14,7 @@ or class labels) go to the model, which returns its loss.
 
 Building reads no weights: with ``path`` (and ``load_weights``) the constructor records ``pretrained_path``, and
 whoever builds the model loads them as a separate step, as for every dufu family: the trainer after its build,
-or :func:`dufu.engine.pretrained.load_pretrained` in place. Tensors are read one at a time under the wrapped
+or :func:`dufu.engine.weights.pretrained.load_pretrained` in place. Tensors are read one at a time under the wrapped
 model's own names (:class:`AsIsMapping`).
 
 What works without code changes: data parallelism, ZeRO 1/2/3 (FSDP2), activation checkpointing, compile and
@@ -90,7 +90,7 @@ _SIZES = {"vocab_size": "vocab_size", "hidden_size": "hidden_size", "num_layers"
 
 
 class AsIsMapping:
-    """How :func:`dufu.engine.pretrained.load_pretrained` reads a transformers directory into an
+    """How :func:`dufu.engine.weights.pretrained.load_pretrained` reads a transformers directory into an
     :class:`HFAutoModel`. When the directory stores every tensor under the wrapped model's own name (``hf.``
     stripped; a checkpoint of the bare model without ``base_model_prefix``, e.g. ``gpt_neox.``, or of a model with
     a head, with it), each is read on its own, lazily. Otherwise the stored names are transformers' older or

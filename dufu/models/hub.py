@@ -12,7 +12,7 @@ tensor is read only when the module being filled has a parameter of that name, a
 a tensor-parallel or ZeRO rank reads only its own shard.
 
 Filling a model with those weights (``dufu.from_pretrained``, ``model.pretrained=DIR``, a dufu run as the
-source) composes models, materialisation and checkpoints, so it lives above: :mod:`dufu.engine.pretrained`.
+source) composes models, materialisation and checkpoints, so it lives above: :mod:`dufu.engine.weights.pretrained`.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import dufu.models
 from dufu.errors import DataError, DufuError
 from dufu.models.base import contract_of
 from dufu.models.hf_adapter import HFMapping
-# StoredTensor is also imported from here (dufu.engine.streaming, dufu.engine.streaming_source)
+# StoredTensor is also imported from here (dufu.engine.inference.streaming, dufu.engine.inference.streaming_source)
 from dufu.models.hf_weights import HFWeights, StoredTensor  # noqa: F401
 
 # The registry's entries (one per transformers model_type) are HFMappings.
@@ -122,7 +122,7 @@ def build_from_hf_config(hf_config: dict, architecture: Optional[str] = None, **
 def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dict] = None) -> Path:
     """Write config.json + model.safetensors that transformers' Auto classes load (``state_dict``: the values
     to write, for a model built on the meta device). A model carrying a delta is written by
-    :func:`dufu.engine.pretrained.save_pretrained` (``dufu.save_pretrained``), as a PEFT adapter or merged."""
+    :func:`dufu.engine.weights.pretrained.save_pretrained` (``dufu.save_pretrained``), as a PEFT adapter or merged."""
     sd = state_dict if state_dict is not None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
     return write_hf_model(model, path, sd)
 
@@ -159,7 +159,7 @@ def check_sizes_fit(module: nn.Module, source_kwargs: dict, what: str) -> None:
              and getattr(module, k) != source_kwargs[k]]
     if wrong:
         raise DataError(f"{what} do not fit this {type(module).__name__}: {', '.join(wrong)}. Set model.* to "
-                        "the pretrained sizes, or use model = L(dufu.engine.pretrained.pretrained_model)(path=...), "
+                        "the pretrained sizes, or use model = L(dufu.engine.weights.pretrained.pretrained_model)(path=...), "
                         "which takes them from the pretrained config.")
 
 

@@ -134,7 +134,7 @@ def materialize_(
     it: the tensors ``pretrained`` provides, if given, and initial values from ``reference.init_module``
     (``reference``: the unsplit meta model) for the rest. ``pretrained(part)`` returns ``(what, source)``:
     ``source`` maps parameter names to tensors or zero-argument callables that read one (see
-    :func:`dufu.engine.pretrained.pretrained_source`); ``init_parameters=False`` leaves parameters unset (only buffers
+    :func:`dufu.engine.weights.pretrained.pretrained_source`); ``init_parameters=False`` leaves parameters unset (only buffers
     are computed) for a caller that loads every one of them next (a resumed checkpoint, whose strict load
     fails on any it lacks). A source value that already is a DTensor is the part's own
     (a new task head keeping its initialisation) and is left alone."""

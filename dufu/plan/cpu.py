@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dufu.cache import file_lock, resolve_cache_dir
-from dufu.engine.flops import _cpu_name, device_peak_flops
+from dufu.engine.reporting.flops import _cpu_name, device_peak_flops
 from dufu.models.gpt import GPTModel
 from dufu.plan.device import GB, Hardware
 
@@ -160,7 +160,7 @@ def probe_cpu() -> dict:
 
     Everything is measured on one thread (what each process of a multi-process run has: torchrun gives every
     worker one OpenMP thread), where readings hold still on a shared machine. The all-cores rate of a one-process
-    run is the large matmul's best ever seen on all cores (:func:`dufu.engine.flops.device_peak_flops` keeps it,
+    run is the large matmul's best ever seen on all cores (:func:`dufu.engine.reporting.flops.device_peak_flops` keeps it,
     this reading included): a reading taken while other processes share the cores is low and must not stick."""
     cores = os.cpu_count() or 1
     threads_before = torch.get_num_threads()

@@ -8,7 +8,7 @@ more), and a capacity keeps ``min(load, capacity)`` of each. That is the load th
 trains towards (Switch, Fedus et al. 2021); a run whose router is unbalanced is slower by its busiest expert
 (and, under expert parallelism, its busiest rank), which the planner does not predict. Every expert therefore
 multiplies ``top_k / E`` of the tokens: the traced FLOPs are the active parameters', as
-:func:`dufu.engine.flops.count_matmul_params` counts them for MFU, while every expert's weights, gradients and
+:func:`dufu.engine.reporting.flops.count_matmul_params` counts them for MFU, while every expert's weights, gradients and
 optimizer states are held.
 
 Under expert parallelism (``ep``, :mod:`dufu.parallel.expert_parallel`) the trace is that of one rank: its

@@ -26,7 +26,7 @@ cache directory, ``plan_hardware.json``, per CPU model, core count and torch ver
 measures again and keeps the better of each figure):
 
 * matmul throughput of one thread at a few shapes, fp32 and bf16, and of all cores for a large square (the figure
-  :func:`dufu.engine.flops.device_peak_flops` keeps as the best seen);
+  :func:`dufu.engine.reporting.flops.device_peak_flops` keeps as the best seen);
 * elementwise ops: simple ones (add, mul) and ones with transcendentals (GELU, layer norm, softmax and their
   backward), which on a CPU run far below memory bandwidth; fused attention as a fraction of the matmul rate;
   fused AdamW; a large copy (memory bandwidth);

@@ -23,7 +23,7 @@ from torch import nn
 
 from dufu.config import instantiate
 from dufu.data.span_corruption import compute_lengths
-from dufu.engine.report import model_flops_per_token
+from dufu.engine.reporting.report import model_flops_per_token
 from dufu.errors import ConfigError, DufuError
 from dufu.models.base import contract_of
 from dufu.parallel.data_parallel import end_units

@@ -88,7 +88,7 @@ def checkpoint_names(output_dir) -> list[str]:
 
 def consolidated(ckpt: Path, group: str = "model") -> dict:
     """A checkpoint's full ``model`` (through the public Checkpointer API) or ``optim`` state, in this process."""
-    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer
 
     ckpt = Path(ckpt)
     checkpointer = Checkpointer(ckpt.parent)
@@ -99,7 +99,7 @@ def consolidated(ckpt: Path, group: str = "model") -> dict:
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-    from dufu.engine.checkpoint import SafeFileSystemReader, SafeLoadPlanner
+    from dufu.engine.weights.checkpoint import SafeFileSystemReader, SafeLoadPlanner
 
     class Planner(_EmptyStateDictLoadPlanner):
         load_bytes = SafeLoadPlanner.load_bytes

@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from checkpoint_runs import checkpoint_names, consolidated, layout
 from launch import assert_ok, run, train_command
 from parity import assert_checkpoint_matches, assert_losses_match, train_records
-from dufu.engine.checkpoint import MANIFEST, Checkpointer
+from dufu.engine.weights.checkpoint import MANIFEST, Checkpointer
 from dufu.errors import CheckpointError
 from dufu_testing import snapshot
 

@@ -1,5 +1,5 @@
 """Preemption: SIGTERM or SIGUSR1 mid-run makes every rank finish its step, save a checkpoint and exit with code
-75 (dufu.engine.preemption); ``--resume`` then continues with exactly the losses of an uninterrupted run.
+75 (dufu.engine.resilience.preemption); ``--resume`` then continues with exactly the losses of an uninterrupted run.
 
 The signal comes from ``DUFU_FAULT=term:0:4`` / ``usr1:0:4``: as step 4 starts, rank 0 signals its job's main
 process (the launcher under ``--nproc``, itself in one process), as a scheduler preempting the job would; the
@@ -13,7 +13,7 @@ import json
 import pytest
 
 import launch
-from dufu.engine.preemption import PREEMPTED_EXIT_CODE
+from dufu.engine.resilience.preemption import PREEMPTED_EXIT_CODE
 from parity import PARITY_ARGS, assert_matches_reference, collect, parity_run
 
 pytestmark = pytest.mark.multiprocess

@@ -20,7 +20,7 @@ from checkpoint_runs import RESUME_TARGETS, checkpoint_names, consolidated, layo
 from launch import assert_ok
 from parity import assert_checkpoint_matches, assert_losses_match, records, train_records
 from dufu.config import LazyConfig
-from dufu.engine.checkpoint import MANIFEST, Checkpointer, SafeFileSystemReader
+from dufu.engine.weights.checkpoint import MANIFEST, Checkpointer, SafeFileSystemReader
 
 pytestmark = pytest.mark.multiprocess
 

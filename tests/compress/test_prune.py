@@ -282,7 +282,7 @@ def test_other_families_and_deltas_are_refused():
 def test_prune_run_writes_a_model_directory_dufu_loads(train_run, tmp_path, capsys):
     from dufu.config import LazyConfig
     from dufu.cli.generate import load_for_generation
-    from dufu.engine.pretrained import pretrained_model
+    from dufu.engine.weights.pretrained import pretrained_model
     from dufu.cli.prune import load_source, main, prune_run, validation_batches
 
     run = train_run("train.train_iter=2")
@@ -319,7 +319,7 @@ def test_prune_run_writes_a_model_directory_dufu_loads(train_run, tmp_path, caps
 def test_prune_run_from_a_hugging_face_directory_and_fine_tuning_from_it(tmp_path):
     import dufu
     from dufu.config import LazyConfig
-    from dufu.engine.pretrained import pretrained_model
+    from dufu.engine.weights.pretrained import pretrained_model
     from dufu.cli.prune import prune_run
     from dufu.engine.trainer import Trainer
 
@@ -334,7 +334,7 @@ def test_prune_run_from_a_hugging_face_directory_and_fine_tuning_from_it(tmp_pat
     # LLaMA's config has head_dim, so `dufu convert` writes the pruned model for transformers, same logits
     import transformers
 
-    from dufu.engine.convert import to_hf
+    from dufu.engine.weights.convert import to_hf
 
     to_hf(out, tmp_path / "pruned-hf")
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "pruned-hf").eval()

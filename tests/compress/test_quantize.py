@@ -228,7 +228,7 @@ def test_cli_quantizes_a_hugging_face_directory(tmp_path, capsys):
     """An HF directory in: its weights' size is the 'before' on disk, its tokenizer files are copied, and the
     int4 directory (dufu only) reloads to the quantized logits."""
     from dufu.data import build_tokenizer
-    from dufu.engine.pretrained import save_pretrained
+    from dufu.engine.weights.pretrained import save_pretrained
     from dufu.cli.quantize import main
 
     model, inputs = make("llama")

@@ -12,7 +12,7 @@ import pytest
 
 from dufu.data import BlendedDataset, ValidationSets, build_lm_datasets, builtin_documents
 from dufu.data.blend import MAX_PERIOD, dataset_names, integer_weights, parse_blend
-from dufu.engine.report import data_lines
+from dufu.engine.reporting.report import data_lines
 from dufu.errors import DataError
 
 

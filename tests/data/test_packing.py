@@ -20,7 +20,7 @@ from dufu.data.packing import (
 from dufu.data.sft import IGNORE_INDEX, SFTDataset, build_sft_datasets
 from dufu.delta import PrefixTuning, PromptTuning, apply_delta
 from dufu.engine.batch import count_loss_targets, to_model_inputs
-from dufu.engine.generate import generate
+from dufu.engine.inference.generate import generate
 from dufu.errors import DataError
 from dufu.layers.attention import Attention, document_mask
 from dufu.models.gpt import GPTModel

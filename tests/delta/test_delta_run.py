@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multiprocess
 def test_a_delta_run_reads_back_as_its_base_plus_its_delta(tmp_path):
     from dufu.config import LazyConfig, instantiate
     from dufu.engine.delta_run import load_delta_run
-    from dufu.engine.convert import resolve_checkpoint
+    from dufu.engine.weights.convert import resolve_checkpoint
     from dufu.parallel.materialize import materialize_
 
     out = tmp_path / "run"

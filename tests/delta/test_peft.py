@@ -276,7 +276,7 @@ def test_a_delta_run_converts_to_a_peft_adapter_naming_its_base(tmp_path):
     from dufu.cli import main
     from dufu.config import instantiate
     from dufu.engine.delta_run import load_delta_run
-    from dufu.engine.convert import resolve_checkpoint
+    from dufu.engine.weights.convert import resolve_checkpoint
 
     ids = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(5))
     short = ["train.train_iter=2", "train.checkpointer.period=2", "optim.lr=0.01"]

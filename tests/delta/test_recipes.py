@@ -129,7 +129,7 @@ def test_bert_classify_lora_starts_from_minilm_and_saves_only_what_trains(tmp_pa
     from safetensors import safe_open
 
     import dufu_testing
-    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer
     from dufu.models.bert.pretrained import all_minilm_l6_v2
 
     run = dufu_testing.train(tmp_path / "run", ["train.train_iter=2", "train.amp.enabled=False",

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from dufu.engine.checkpoint import MANIFEST, Checkpointer
+from dufu.engine.weights.checkpoint import MANIFEST, Checkpointer
 from dufu.errors import CheckpointError
 from dufu_testing import DEBUG_RUN_OVERRIDES, load_config, snapshot, train_config
 

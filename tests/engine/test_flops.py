@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from dufu.engine import flops
+from dufu.engine.reporting import flops
 from dufu.models.gpt import GPTModel
 from dufu_testing import count_gpt_parameters
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dufu
-from dufu.engine.generate import StopStrings, apply_repetition_penalty, continuation_text, generate
+from dufu.engine.inference.generate import StopStrings, apply_repetition_penalty, continuation_text, generate
 from dufu.errors import ConfigError, DataError
 from dufu.layers import KVCache
 

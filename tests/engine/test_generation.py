@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dufu.engine.generate import generate, sample_next
+from dufu.engine.inference.generate import generate, sample_next
 from dufu.models.gpt import GPTModel
 
 

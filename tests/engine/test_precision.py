@@ -97,7 +97,7 @@ def test_a_given_peak_skips_measuring_for_explicit_settings_only():
 
 
 def test_the_start_up_measurement_alternates_the_dtypes_and_records_the_best(monkeypatch, tmp_path):
-    from dufu.engine import flops
+    from dufu.engine.reporting import flops
 
     monkeypatch.setenv("DUFU_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DUFU_PEAK_TFLOPS", raising=False)

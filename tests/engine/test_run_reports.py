@@ -9,7 +9,7 @@ import torch
 
 from dufu.engine.lr_scheduler import fit_warmup_to_run
 from dufu.engine.preflight import preflight
-from dufu.engine.report import summary_text
+from dufu.engine.reporting.report import summary_text
 from dufu_testing import load_config, train
 
 

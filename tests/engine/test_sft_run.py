@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from dufu.cli import main
 from dufu.data import build_tokenizer
-from dufu.engine.pretrained import pretrained_model
+from dufu.engine.weights.pretrained import pretrained_model
 from dufu_testing import FAST
 
 # Short enough that nothing is truncated at llama_sft's seq_length 32 (prompts <= 16 tokens).

@@ -1,4 +1,4 @@
-"""Generation within a memory budget (dufu.engine.streaming): blocks that do not fit are streamed from the
+"""Generation within a memory budget (dufu.engine.inference.streaming): blocks that do not fit are streamed from the
 memory-mapped safetensors, and the tokens equal those of the whole model loaded the usual way."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ from safetensors import safe_open
 
 from dufu.config import LazyCall as L
 from dufu.config import LazyConfig
-from dufu.engine.checkpoint import Checkpointer
-from dufu.engine.generate import generate
-from dufu.engine.pretrained import from_pretrained, pretrained_model
-from dufu.engine.streaming import format_bytes, load_streaming, parse_bytes, plan_streaming
-from dufu.engine.streaming_source import CACHE_SUFFIX, mapped_files
+from dufu.engine.weights.checkpoint import Checkpointer
+from dufu.engine.inference.generate import generate
+from dufu.engine.weights.pretrained import from_pretrained, pretrained_model
+from dufu.engine.inference.streaming import format_bytes, load_streaming, parse_bytes, plan_streaming
+from dufu.engine.inference.streaming_source import CACHE_SUFFIX, mapped_files
 from dufu.errors import DataError, DufuError
 from dufu.layers import KVCache
 from dufu.models.bert import BertModel

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from dufu.engine.report import StepClock, window_rates
+from dufu.engine.reporting.report import StepClock, window_rates
 
 
 def test_window_rates_count_global_tokens_over_the_window_and_every_device_in_mfu():

@@ -18,7 +18,7 @@ import torch
 
 import launch
 from dufu.config import instantiate
-from dufu.engine.report import model_flops_per_token
+from dufu.engine.reporting.report import model_flops_per_token
 from dufu_testing import load_config, read_records
 
 pytestmark = pytest.mark.multiprocess

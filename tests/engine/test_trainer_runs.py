@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dufu.config import LazyConfig
-from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.models.gpt import GPTModel
 from dufu.parallel import apply_activation_checkpointing
 from dufu_testing import DEBUG_RUN_OVERRIDES, load_config, read_records, train, train_config

@@ -124,7 +124,7 @@ def test_bert_debug_trains_in_one_process(tmp_path):
     # The trained checkpoint exports to transformers (what `dufu convert --to-hf` would do for this family).
     import dufu
     from dufu.config import LazyConfig, instantiate
-    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer
 
     transformers = pytest.importorskip("transformers")
     ckpt = Checkpointer(tmp_path / "run" / "checkpoints").latest()

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dufu
-from dufu.engine.generate import generate
+from dufu.engine.inference.generate import generate
 from dufu.layers import KVCache
 
 transformers = pytest.importorskip("transformers")

@@ -11,7 +11,7 @@ import dufu
 from dufu.config import LazyConfig, instantiate, resolve_config_path
 from dufu.errors import DataError
 from dufu.models.gpt import GPTModel
-from dufu.engine.pretrained import load_pretrained
+from dufu.engine.weights.pretrained import load_pretrained
 from dufu.models.hub import HFWeights
 from dufu_testing import count_gpt_parameters
 

@@ -67,7 +67,7 @@ def test_an_encoder_with_its_own_labels():
 
 
 def test_from_a_local_directory_with_and_without_weights(tmp_path):
-    from dufu.engine.pretrained import load_pretrained
+    from dufu.engine.weights.pretrained import load_pretrained
 
     torch.manual_seed(0)
     hf = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("gpt_neox", **NEOX))
@@ -85,7 +85,7 @@ def test_from_a_local_directory_with_and_without_weights(tmp_path):
 
 
 def test_building_reads_no_weights_and_loading_checks_them(tmp_path):
-    from dufu.engine.pretrained import load_pretrained
+    from dufu.engine.weights.pretrained import load_pretrained
     from dufu.errors import DataError
 
     transformers.AutoConfig.for_model("gpt_neox", **NEOX).save_pretrained(tmp_path)  # config.json, no weights
@@ -102,7 +102,7 @@ def test_building_reads_no_weights_and_loading_checks_them(tmp_path):
 
 
 def test_tied_weights_a_base_model_checkpoint_and_export(tmp_path):
-    from dufu.engine.pretrained import load_pretrained
+    from dufu.engine.weights.pretrained import load_pretrained
     from dufu.models.hub import save_pretrained
 
     torch.manual_seed(0)

@@ -13,7 +13,7 @@ import dufu
 from dufu.config import LazyConfig, instantiate, resolve_config_path
 from dufu.errors import DataError
 from dufu.models.gpt import causal_lm_loss
-from dufu.engine.pretrained import load_pretrained, pretrained_model
+from dufu.engine.weights.pretrained import load_pretrained, pretrained_model
 from dufu.models.llama import LlamaModel
 from dufu.models.outputs import ModelOutput
 
@@ -223,7 +223,7 @@ def pretrained_run(tmp_path_factory, dufu_cache_dir):
 
 
 def test_sft_recipe_starts_from_the_pretrained_run(pretrained_run, tmp_path):
-    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer
     from dufu_testing import load_config, train_config
 
     ckpt = Checkpointer(pretrained_run.output_dir / "checkpoints").latest()

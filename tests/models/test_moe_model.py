@@ -153,7 +153,7 @@ def test_checkpoints_with_one_tensor_per_expert_load_too(hf_dirs, ids, tmp_path,
 
 
 def test_greedy_generation_equals_transformers(hf_dirs):
-    from dufu.engine.generate import generate
+    from dufu.engine.inference.generate import generate
 
     path, hf = hf_dirs["qwen2_moe"]
     ours = dufu.from_pretrained(path).eval()

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dufu.layers import HeadwiseEmbedding
-from dufu.engine.pretrained import from_pretrained
+from dufu.engine.weights.pretrained import from_pretrained
 from dufu.models import hub
 from dufu.models.swin import SwinForImageClassification, count_swin_parameters
 from dufu.models.swin.model import relative_position_index, shifted_window_mask, window_merge, window_partition

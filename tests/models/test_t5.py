@@ -19,7 +19,7 @@ from dufu.data.span_corruption import (
 )
 from dufu.errors import LayoutError
 from dufu.layers import HeadwiseEmbedding
-from dufu.engine.pretrained import from_pretrained
+from dufu.engine.weights.pretrained import from_pretrained
 from dufu.models import hub
 from dufu.models.t5 import (
     T5EncoderModel,

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from dufu.data import collate
 from dufu.data.images import build_digits_datasets
-from dufu.engine.pretrained import from_pretrained
+from dufu.engine.weights.pretrained import from_pretrained
 from dufu.models import hub
 from dufu.models.vit import ViTForImageClassification, count_vit_parameters
 

@@ -193,7 +193,7 @@ def _pipeline(ctx, device: torch.device, rank: int) -> None:
 
 
 def _checkpoints(rec: Recorder, device: torch.device, rank: int, root: Path) -> None:
-    from dufu.engine.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer
     from dufu.errors import CheckpointError
 
     model = torch.nn.Linear(4, 4, device=device)
@@ -297,9 +297,9 @@ def test_collectives_run_on_the_picked_device(tmp_path):
 # Modules whose tensors reach collectives directly. An explicit CPU device in them would pass the run above
 # (the picked device is the CPU here) and fail under NCCL; where a tensor's device is not given by another
 # tensor it comes from dufu.parallel.env.
-_COLLECTIVE_MODULES = ["dufu/parallel/grads.py", "dufu/parallel/pipeline.py", "dufu/engine/checkpoint.py",
+_COLLECTIVE_MODULES = ["dufu/parallel/grads.py", "dufu/parallel/pipeline.py", "dufu/engine/weights/checkpoint.py",
                        "dufu/compat/libai.py", "dufu/compat/sbp.py", "dufu/parallel/launch.py",
-                       "dufu/data/sampler.py", "dufu/engine/report.py"]
+                       "dufu/data/sampler.py", "dufu/engine/reporting/report.py"]
 
 
 def _cpu_literals(source: str) -> list[int]:

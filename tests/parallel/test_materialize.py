@@ -82,7 +82,7 @@ def test_buffers_are_computed():
 
 
 def test_pretrained_source_fills_only_what_the_part_holds(tmp_path, monkeypatch):
-    from dufu.engine.pretrained import pretrained_source
+    from dufu.engine.weights.pretrained import pretrained_source
     from dufu.models import hub
 
     src = GPTModel(**SIZES)

@@ -53,7 +53,7 @@ class GPTModel(InitByModule, nn.Module):
         ``num_attention_heads * head_dim`` may be less than ``hidden_size``.
 
         ``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
-        building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it.
+        building, by whoever builds the model (:mod:`dufu.engine.weights.pretrained`); the sizes given here must match it.
 
         ``fused_loss``: with labels, compute the head and the cross entropy together, chunk by chunk
         (:func:`dufu.layers.loss.fused_linear_cross_entropy`): the full (B, T, V) logits never exist, so the

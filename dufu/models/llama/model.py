@@ -224,7 +224,7 @@ class LlamaModel(LlamaDecoder):
     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
 
     ``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
-    building, by whoever builds the model (:mod:`dufu.engine.pretrained`); the sizes given here must match it.
+    building, by whoever builds the model (:mod:`dufu.engine.weights.pretrained`); the sizes given here must match it.
 
     ``fused_loss``: with labels, compute the head and the cross entropy together, chunk by chunk
     (:func:`dufu.layers.loss.fused_linear_cross_entropy`): the full (B, T, V) logits never exist, so the output

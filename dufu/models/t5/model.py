@@ -366,7 +366,7 @@ class T5ForConditionalGeneration(_T5Base):
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int = 32, attention_mask: Optional[torch.Tensor] = None,
                  eos_token_id: Optional[int] = None) -> torch.Tensor:
         """Greedy decoding (the encoder runs once, the decoder one token per step on a key/value cache) ->
-        (B, 1 + n) ids starting with the decoder start token. ``dufu.engine.generate`` adds beam search,
+        (B, 1 + n) ids starting with the decoder start token. ``dufu.engine.inference.generate`` adds beam search,
         sampling and repetition penalties."""
         enc = self.encode(input_ids, attention_mask)
         out = torch.full((input_ids.shape[0], 1), self.decoder_start_token_id, dtype=torch.long, device=input_ids.device)

@@ -1,4 +1,4 @@
-"""Where a streamed model's weights come from (:mod:`dufu.engine.streaming`): memory-mapped safetensors, every
+"""Where a streamed model's weights come from (:mod:`dufu.engine.inference.streaming`): memory-mapped safetensors, every
 tensor stored exactly as the model uses it, so that a streamed parameter is a view of the map and never a copy.
 
 * A Hugging Face directory (``model.safetensors`` or a sharded ``model.safetensors.index.json``, what
@@ -42,9 +42,9 @@ from safetensors.torch import save_file
 from torch import nn
 
 from dufu.cache import file_lock, resolve_cache_dir, short_hash
-from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.engine.delta_run import is_delta_checkpoint
-from dufu.engine.pretrained import _dufu_checkpoint_tensors, pretrained_model, resolve_dufu_checkpoint
+from dufu.engine.weights.pretrained import _dufu_checkpoint_tensors, pretrained_model, resolve_dufu_checkpoint
 from dufu.errors import DataError, DufuError
 from dufu.models.gpt import GPTModel
 from dufu.models.hf_weights import StoredTensor

@@ -1,6 +1,6 @@
 """Text generation for causal language models and encoder-decoders: :func:`generate` drives the model with a KV cache
-through greedy decoding, sampling (temperature, top-k, top-p) or beam search (:mod:`dufu.engine.generate_beam`),
-with CTRL's repetition penalty (the scores: :mod:`dufu.engine.generate_scores`) and stop strings.
+through greedy decoding, sampling (temperature, top-k, top-p) or beam search (:mod:`dufu.engine.inference.generate_beam`),
+with CTRL's repetition penalty (the scores: :mod:`dufu.engine.inference.generate_scores`) and stop strings.
 
 A causal model that accepts ``kv_cache=`` (dufu's GPT and LLaMA families) is run once over the prompt and
 then one token per step, attending to the keys and values cached from earlier positions
@@ -28,8 +28,8 @@ from typing import Callable, Optional, Sequence
 
 import torch
 
-from dufu.engine.generate_beam import beam_search
-from dufu.engine.generate_scores import apply_repetition_penalty, sample_next
+from dufu.engine.inference.generate_beam import beam_search
+from dufu.engine.inference.generate_scores import apply_repetition_penalty, sample_next
 from dufu.errors import ConfigError
 from dufu.layers import KVCache
 from dufu.models.base import contract_of
@@ -99,7 +99,7 @@ def _last_logits(out) -> torch.Tensor:
 
 def tensor_parallel_size(model) -> int:
     """Ranks along the "tensor" mesh axis that hold the model's DTensor parameters (1 if none)."""
-    # here, not at the top: ~0.6 s added to `import dufu.engine.generate`, which a model on one device never needs
+    # here, not at the top: ~0.6 s added to `import dufu.engine.inference.generate`, which a model on one device never needs
     from torch.distributed.tensor import DTensor
 
     for p in model.parameters():
@@ -231,7 +231,7 @@ def generate(model, input_ids: torch.Tensor, max_new_tokens: int, temperature: f
     sequence parallelism splits the sequence over the tensor-parallel ranks. Default: the tensor-parallel
     size of a model whose parameters are DTensors on a mesh with a "tensor" axis, else 1.
 
-    ``num_beams`` > 1: beam search (:func:`dufu.engine.generate_beam.beam_search`) with transformers'
+    ``num_beams`` > 1: beam search (:func:`dufu.engine.inference.generate_beam.beam_search`) with transformers'
     ``length_penalty`` and ``early_stopping``; each prompt gives its best sequence."""
     fill = pad_id if pad_id is not None else eos_id
     _check_options(num_beams, temperature, top_k, top_p, repetition_penalty, early_stopping, stop, fill)

@@ -16,7 +16,7 @@ A candidate *ends* when it produced ``eos_id``, when its text hit a stop conditi
 
 Written by hand because neither torch nor a library dufu depends on at run time has beam search over a
 dufu model and its :class:`~dufu.layers.KVCache`. The model is driven through a "steps" object (see
-:mod:`dufu.engine.generate`): ``steps(ids, mask)`` -> next-token logits (R, V), and ``steps.reorder(rows)``
+:mod:`dufu.engine.inference.generate`): ``steps(ids, mask)`` -> next-token logits (R, V), and ``steps.reorder(rows)``
 makes its state (cache, encoder output) follow the rows each new beam extends.
 """
 
@@ -26,7 +26,7 @@ from typing import Callable, Optional
 
 import torch
 
-from dufu.engine.generate_scores import apply_repetition_penalty
+from dufu.engine.inference.generate_scores import apply_repetition_penalty
 
 # A finite "impossible" score for empty slots and excluded candidates: unlike -inf it stays comparable
 # (and free of NaN) through the sums and divisions of later steps.

@@ -3,16 +3,16 @@
 ``load_streaming(source, "2GB")`` builds a decoder on the meta device and materialises only part of it: the
 embeddings, the final norm, the head, every buffer, and as many blocks (in order) as the budget holds. Every other
 block keeps meta-device parameters; a forward pre-hook gives it its weights read from the memory-mapped
-safetensors (:mod:`dufu.engine.streaming_source`) just before it runs, and a forward hook puts the meta tensors
+safetensors (:mod:`dufu.engine.inference.streaming_source`) just before it runs, and a forward hook puts the meta tensors
 back right after, so nothing references them any more. The model is otherwise unchanged: its blocks, their
 names and the attention modules the :class:`dufu.layers.KVCache` is keyed by stay the same objects, so
-:func:`dufu.engine.generate.generate` runs it as it is, KV cache included.
+:func:`dufu.engine.inference.generate.generate` runs it as it is, KV cache included.
 
 What the budget counts (:class:`StreamingPlan`, in the model's dtype, fp32 as ``from_pretrained`` computes):
 
 * resident: the parameters outside the blocks (a tied head once) and all buffers, plus the resident blocks;
 * the streaming slot: the largest streamed block. On the CPU its parameters are views of the map (every tensor
-  is stored as the model holds it, see :mod:`dufu.engine.streaming_source`): the pages are the file's, mapped while
+  is stored as the model holds it, see :mod:`dufu.engine.inference.streaming_source`): the pages are the file's, mapped while
   the block runs. On another device each is copied there, and the file pages read stay mapped until the block is
   loaded, so those bytes count twice;
 * the KV cache of ``batch_size`` sequences of ``max_tokens`` tokens (at most, and by default,
@@ -25,7 +25,7 @@ What the budget counts (:class:`StreamingPlan`, in the model's dtype, fp32 as ``
   (B, heads, T, T) scores.
 
 Not counted: the interpreter and torch's own libraries, and the page cache, which is the kernel's (file pages
-that no tensor references any more are unmapped, see :mod:`dufu.engine.streaming_source`). docs/inference.md
+that no tensor references any more are unmapped, see :mod:`dufu.engine.inference.streaming_source`). docs/inference.md
 says how RSS relates to the budget, with measurements (benchmarks/streaming.py).
 """
 
@@ -40,7 +40,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from dufu.engine.streaming_source import MappedSafetensors, open_source
+from dufu.engine.inference.streaming_source import MappedSafetensors, open_source
 from dufu.errors import DufuError
 from dufu.models.hf_weights import StoredTensor
 from dufu.models.hub import check_source_shape
@@ -262,7 +262,7 @@ def _build(source_path: str | Path, max_memory: str | int, device, batch_size: i
 def plan_streaming(source: str | Path, max_memory: str | int, device: str | torch.device = "cpu", *,
                    batch_size: int = 1, max_tokens: Optional[int] = None) -> StreamingPlan:
     """What :func:`load_streaming` would keep resident and stream, without materialising the model (a source that
-    needs converting, see :mod:`dufu.engine.streaming_source`, is converted first)."""
+    needs converting, see :mod:`dufu.engine.inference.streaming_source`, is converted first)."""
     return _build(source, max_memory, device, batch_size, max_tokens)[1]
 
 
@@ -271,7 +271,7 @@ def load_streaming(source: str | Path, max_memory_bytes: str | int, device: str 
     """A decoder (GPT, LLaMA, Qwen2) in eval mode that holds at most ``max_memory_bytes`` (a number or a string for
     :func:`parse_bytes`) of tensors while it generates, streaming the blocks that do not fit from the
     memory-mapped safetensors of ``source`` (a Hugging Face directory or a dufu run: see
-    :mod:`dufu.engine.streaming_source`). ``batch_size`` and ``max_tokens`` (default, and at most,
+    :mod:`dufu.engine.inference.streaming_source`). ``batch_size`` and ``max_tokens`` (default, and at most,
     ``max_position_embeddings``) size the KV cache and activations the budget reserves. A budget below the minimum
     is a DufuError that names it. ``model.streaming_plan`` says what was kept (:class:`StreamingPlan`)."""
     device = torch.device(device)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dufu.config import LazyConfig, instantiate
-from dufu.engine.checkpoint import Checkpointer
+from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.errors import CheckpointError, DufuError
 
 
@@ -78,7 +78,7 @@ def delta_to_hf(ckpt: Path, cfg, model, out_dir: Path, merge: bool = False) -> P
     from dufu.delta.lora import lora_layers
     from dufu.delta.spec import apply_delta
     from dufu.engine.delta_run import load_delta_run
-    from dufu.engine.pretrained import save_pretrained
+    from dufu.engine.weights.pretrained import save_pretrained
     from dufu.models import hub
 
     saved = Checkpointer.read_meta(ckpt)["delta"]

@@ -25,7 +25,7 @@ from typing import Callable, Optional
 import torch
 from torch import nn
 
-from dufu.engine.checkpoint import Checkpointer, SafeFileSystemReader, SafeLoadPlanner
+from dufu.engine.weights.checkpoint import Checkpointer, SafeFileSystemReader, SafeLoadPlanner
 from dufu.errors import DataError, DufuError
 from dufu.models.hub import (
     STRUCTURAL_SIZES,

@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.state_dict import (
 
 from dufu.errors import CheckpointError
 
-from dufu.engine.checkpoint_safe import SafeFileSystemReader, SafeLoadPlanner  # noqa: F401
+from dufu.engine.weights.checkpoint_safe import SafeFileSystemReader, SafeLoadPlanner  # noqa: F401
+from dufu.engine.resilience import faults
 from dufu.models.base import contract_of
 
 
@@ -210,8 +211,6 @@ class Checkpointer:
         return final
 
     def _commit(self, tmp: Path, final: Path, meta: dict) -> None:
-        from dufu.engine import faults
-
         _barrier()  # every rank's shards are on disk
         faults.in_save(meta["step"])
         if self.rank == 0:

@@ -42,7 +42,7 @@ from urllib.parse import urlparse
 import torch
 import torch.distributed as dist
 
-from dufu.engine.fault_tolerance_state import TrainingState
+from dufu.engine.resilience.fault_tolerance_state import TrainingState
 from dufu.engine.hooks import Hook, RetryStep
 from dufu.errors import ConfigError, DistributedFailure
 

@@ -1,5 +1,5 @@
 """What a live replica group hands to a (re)joining one through torchft's checkpoint transport, and how the
-joining group takes it in (dufu.engine.fault_tolerance).
+joining group takes it in (dufu.engine.resilience.fault_tolerance).
 
 The state is this rank's own: its local shards of the weights and of the optimizer state (a DTensor travels as
 its local tensor, since rank r of one group heals from rank r of another, which holds the same shard in the same

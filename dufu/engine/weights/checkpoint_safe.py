@@ -1,4 +1,4 @@
-"""Reading DCP checkpoints without unpickling arbitrary objects (see :mod:`dufu.engine.checkpoint`)."""
+"""Reading DCP checkpoints without unpickling arbitrary objects (see :mod:`dufu.engine.weights.checkpoint`)."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from dufu.engine.generate import generate
-from dufu.engine.flops import count_matmul_params, flops_per_token
-from dufu.engine.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
+from dufu.engine.inference.generate import generate
+from dufu.engine.reporting.flops import count_matmul_params, flops_per_token
+from dufu.engine.reporting.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
 from dufu.parallel.data_parallel import describe_zero_stage
 from dufu.parallel.env import collective_device
 from dufu.models.base import contract_of
