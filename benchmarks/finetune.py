@@ -95,22 +95,25 @@ def dufu_overrides(args, output_dir: Path, amp: str, profile: bool = False) -> l
 
 
 def prepare(args, amp: str, work: Path, log) -> dict:
-    """Build dufu's trainer in this process (not timed) for the resolved hyper-parameters, the data in dufu's order,
-    the precision dufu picks, and its initial classifier; check that transformers' model and tokenizer start from
+    """Build dufu's runtime in this process (not timed) for the resolved hyper-parameters, the data in dufu's order
+    (its training sampler), the precision dufu picks, and its initial classifier; check that transformers' model and tokenizer start from
     the same weights and token ids; write the spec the ``hf`` worker reads."""
     import torch
 
-    from dufu.config import LazyConfig, resolve_config_path
-    from dufu.engine.trainer import Trainer
+    from dufu.config import LazyConfig, locate, resolve_config_path
+    from dufu.engine.lr_scheduler import WarmupCosineLR
+    from dufu.engine.runtime import Runtime
+    from dufu.engine.trainer import training_sampler
 
     cfg = LazyConfig.load(resolve_config_path(RECIPE))
     LazyConfig.apply_overrides(cfg, dufu_overrides(args, work / f"prepare-{amp}", amp))
-    trainer = Trainer(cfg, log=lambda *a, **k: None)
-    rt = trainer.runtime
+    rt = Runtime(cfg, log=lambda *a, **k: None)
     t, o = cfg.train, cfg.optim
     sched = t.scheduler
-    if sched.get("warmup_factor", 0.0) != 0.0 or type(trainer.schedulers[0]).__name__ != "WarmupCosineLR":
-        raise SystemExit(f"{RECIPE}'s schedule ({type(trainer.schedulers[0]).__name__}, warmup_factor "
+    schedule = sched.get("_target_")
+    schedule = locate(schedule) if isinstance(schedule, str) else schedule
+    if sched.get("warmup_factor", 0.0) != 0.0 or schedule is not WarmupCosineLR:
+        raise SystemExit(f"{RECIPE}'s schedule ({getattr(schedule, '__name__', schedule)}, warmup_factor "
                          f"{sched.get('warmup_factor')}) has no transformers twin here; this benchmark mirrors "
                          "WarmupCosineLR with warmup_factor 0 (transformers' cosine_with_min_lr).")
     if rt.world_size != 1 or rt.num_accumulation_steps * rt.micro_batch_size != rt.global_batch_size:
@@ -129,7 +132,8 @@ def prepare(args, amp: str, work: Path, log) -> dict:
         hidden_dropout=cfg.model.hidden_dropout, attention_dropout=cfg.model.attention_dropout,
     )
     # The training samples in the order dufu's run takes them: a fresh copy of its sampler, step by step.
-    order = [i for _ in range(steps) for mb in trainer.sampler.next_step() for i in mb]
+    sampler = training_sampler(rt)
+    order = [i for _ in range(steps) for mb in sampler.next_step() for i in mb]
     n_eval = min(t.evaluation.eval_iter, len(rt.valid_ds) // G) * G
     tr_ds, va_ds = rt.train_ds, rt.valid_ds
     spec = {

@@ -38,6 +38,17 @@ from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
 MAX_STEP_RETRIES = 1000  # a step a hook asks to take again (RetryStep) this many times stops the run
 
 
+def training_sampler(runtime) -> ResumableBatchSampler:
+    """The order this rank trains on, from the first step: its part of every global batch (a replica group's part
+    of the groups' global batch under train.fault_tolerance: the runtime's data_rank / data_size count every
+    group's ranks)."""
+    rt = runtime
+    return ResumableBatchSampler(
+        len(rt.train_ds), rt.global_batch_size * rt.replica_groups, rt.micro_batch_size,
+        data_parallel_rank=rt.data_rank, data_parallel_size=rt.data_size, seed=rt.cfg.train.seed,
+        shuffle=not getattr(rt.train_ds, "orders_samples", False))  # a blend orders its own (data.blend)
+
+
 class Trainer:
     """``resume``: False (a new run; output_dir must not hold one), True (continue from the latest
     complete checkpoint), or "auto" (resume if there is a checkpoint, else start over: elastic restarts).
@@ -50,12 +61,7 @@ class Trainer:
         with rt._phase("optimizer"):
             self.optimizers = [self._build_optimizer(part) for part in rt.model_parts]
             self.schedulers = [instantiate(with_kwargs(rt.scheduler_node, optimizer=opt)) for opt in self.optimizers]
-        # This rank's samples: its part of every global batch (a replica group's part of the groups' global batch
-        # under train.fault_tolerance: the runtime's data_rank / data_size count every group's ranks).
-        self.sampler = ResumableBatchSampler(
-            len(rt.train_ds), rt.global_batch_size * rt.replica_groups, rt.micro_batch_size,
-            data_parallel_rank=rt.data_rank, data_parallel_size=rt.data_size, seed=t.seed,
-            shuffle=not getattr(rt.train_ds, "orders_samples", False))  # a blend orders its own (data.blend)
+        self.sampler = training_sampler(rt)
         self.checkpointer = Checkpointer(rt.output_dir / "checkpoints", t.checkpointer.max_to_keep, rt.rank,
                                          async_save=t.checkpointer.async_save)
         if rt.delta is not None:
