@@ -70,13 +70,13 @@ def source_config(source: str, config: str | None, overrides: list[str]):
     if not path.exists():
         raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
                         "Hugging Face model directory.")
-    from dufu.compress.quantize_io import is_quantized_dir
+    from dufu.compress.quantize_io import is_quantized_dir  # imports torch: not for --help
 
     quantized = is_quantized_dir(path)
     if quantized or (path / "config.json").is_file():
-        from dufu.data import build_tokenizer
-        from dufu.engine.weights.pretrained import pretrained_model
-        from dufu.models.hub import build_from_hf_config, read_hf_config
+        from dufu.data import build_tokenizer  # imports torch: not for --help
+        from dufu.engine.weights.pretrained import pretrained_model  # imports torch: not for --help
+        from dufu.models.hub import build_from_hf_config, read_hf_config  # imports torch: not for --help
 
         if not (path / "tokenizer.json").is_file():
             raise DataError(f"{path} has no tokenizer.json, so its data cannot be tokenized as the model was "
@@ -93,13 +93,13 @@ def source_config(source: str, config: str | None, overrides: list[str]):
     if config is not None:
         raise ConfigError(f"--config applies to a Hugging Face directory; {path} is a dufu run, which is evaluated "
                           "with its own config.yaml (change its keys with key=value overrides).")
-    from dufu.engine.weights.convert import resolve_checkpoint
+    from dufu.engine.weights.convert import resolve_checkpoint  # imports torch: not for --help
 
     ckpt = resolve_checkpoint(path)
     if not (ckpt / "config.yaml").is_file():
         raise DataError(f"{ckpt} is not a dufu checkpoint with a config.yaml (nor a Hugging Face directory with a "
                         "config.json). Give a run's output_dir, a checkpoint directory or a Hugging Face directory.")
-    from dufu.engine.weights.checkpoint import Checkpointer
+    from dufu.engine.weights.checkpoint import Checkpointer  # imports torch: not for --help
 
     cfg = LazyConfig.load(str(ckpt / "config.yaml"))
     # The run's global batch, whatever layout it had: evaluation covers the same samples in every layout.
@@ -113,7 +113,7 @@ def fit_micro_batch(cfg, overrides: list[str], world_size: int) -> list[str]:
     """Evaluation keeps the run's global batch in any layout; where the run's micro-batch times the data-parallel
     size no longer divides it, and the command did not set train.train_micro_batch_size, take the largest
     micro-batch that does (it changes no number, only how many samples go through at once). Returns the note."""
-    from dufu.parallel.parallel_dims import ParallelDims
+    from dufu.parallel.parallel_dims import ParallelDims  # imports torch: not for --help
 
     t = cfg.train
     if any(o.split("=", 1)[0] == "train.train_micro_batch_size" for o in overrides) or not t.global_batch_size:
@@ -147,12 +147,11 @@ def evaluate_source(source: str, config: str | None = None, overrides: list[str]
     """Evaluate ``source`` in this process's layout (every rank of a job calls it); returns the metrics, with
     what was evaluated. Builds the run's :class:`~dufu.engine.runtime.Runtime` only: no optimizer, sampler or
     checkpointer."""
-    # torch and the engine load only when a subcommand runs (dufu --help stays fast)
-    from dufu.compress.quantize_io import load_quantized
-    from dufu.engine.weights.checkpoint import Checkpointer
-    from dufu.engine.delta_run import is_delta_checkpoint
-    from dufu.engine.evaluation import evaluate
-    from dufu.engine.runtime import Runtime
+    from dufu.compress.quantize_io import load_quantized  # imports torch: not for --help
+    from dufu.engine.weights.checkpoint import Checkpointer  # imports torch: not for --help
+    from dufu.engine.delta_run import is_delta_checkpoint  # imports torch: not for --help
+    from dufu.engine.evaluation import evaluate  # imports torch: not for --help
+    from dufu.engine.runtime import Runtime  # imports torch: not for --help
 
     cfg, ckpt, kind, notes = prepare(source, config, list(overrides), int(os.environ.get("WORLD_SIZE", 1)))
     # A delta checkpoint holds the delta only: its base comes from its source as in training (the runtime starts
@@ -229,10 +228,10 @@ def main(argv: list[str]) -> int:
     overrides = list(args.overrides) + extra
     refuse_unknown_flags(overrides, "eval")
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
-        from dufu.cli.torchrun import run_torchrun
-        from dufu.engine.delta_run import is_delta_checkpoint
-        from dufu.engine.preflight import preflight
-        from dufu.parallel.launch import torchrun_command
+        from dufu.cli.torchrun import run_torchrun  # imports torch: not for --help
+        from dufu.engine.delta_run import is_delta_checkpoint  # imports torch: not for --help
+        from dufu.engine.preflight import preflight  # imports torch: not for --help
+        from dufu.parallel.launch import torchrun_command  # imports torch: not for --help
 
         if args.nproc < 1:
             raise DufuError(f"--nproc {args.nproc}: give 1 or more processes.")
@@ -246,7 +245,7 @@ def main(argv: list[str]) -> int:
                 forwarded += [flag, str(value)]
         forwarded += ["--json"] if args.json else []
         return run_torchrun(torchrun_command(args.nproc, forwarded, command="eval"))
-    from dufu.parallel.launch import finish_distributed
+    from dufu.parallel.launch import finish_distributed  # imports torch: not for --help
 
     result = evaluate_source(args.source, args.config, overrides, args.data, args.eval_iter)
     if os.environ.get("RANK", "0") == "0":

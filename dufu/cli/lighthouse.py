@@ -43,8 +43,8 @@ def main(argv: list[str]) -> int:
         if getattr(args, name) <= 0:
             raise DufuError(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number of seconds.")
     os.environ.setdefault("RUST_LOG", "warn")  # RUST_LOG=info: a log line per quorum
-    try:  # torchft is an optional dependency (dufu[ft])
-        from torchft.coordination import LighthouseServer
+    try:
+        from torchft.coordination import LighthouseServer  # torchft is an optional dependency (dufu[ft])
     except ImportError:
         raise DufuError("dufu lighthouse needs torchft: pip install 'dufu[ft]' (or pip install torchft).") from None
     try:

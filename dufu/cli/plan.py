@@ -37,7 +37,7 @@ def main(argv: list[str]) -> int:
         raise DufuError(f"--gpus {args.gpus}: give the number of devices the job runs on (1 or more).")
     cfg = load_train_config(config, overrides)
     from dufu.plan import get_hardware, search  # imports torch: not for --help or a config error
-    from dufu.plan.report import breakdown, plot_memory, table, to_json
+    from dufu.plan.report import breakdown, plot_memory, table, to_json  # as above
 
     hw = get_hardware(args.gpu, args.hardware_file, remeasure=args.remeasure)
     if args.gpus_per_node:

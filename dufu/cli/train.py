@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
     notice = os.environ.get("DUFU_PLAN_NOTICE") or resolve_auto(cfg, world_size)  # `auto` layout values
     if launching:
         if notice:  # the workers run the chosen layout, and say why in their start-up summary
-            from dufu.plan.auto import resolved_overrides
+            from dufu.plan.auto import resolved_overrides  # imports torch: not for --help
 
             overrides = overrides + resolved_overrides(cfg)
             os.environ["DUFU_PLAN_NOTICE"] = notice
@@ -55,9 +55,9 @@ def main(argv: list[str]) -> int:
             LazyConfig.save(cfg, os.path.join(d, "config.yaml"))
             print(open(os.path.join(d, "config.yaml")).read())
         return 0
-    from dufu.engine.resilience.preemption import PREEMPTED_EXIT_CODE
-    from dufu.engine.trainer import Trainer
-    from dufu.parallel.launch import finish_distributed
+    from dufu.engine.resilience.preemption import PREEMPTED_EXIT_CODE  # imports torch: not for --help
+    from dufu.engine.trainer import Trainer  # imports torch: not for --help
+    from dufu.parallel.launch import finish_distributed  # imports torch: not for --help
 
     trainer = Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume, notices=[notice] if notice else ())
     trainer.train()
@@ -69,33 +69,33 @@ def main(argv: list[str]) -> int:
 def resolve_auto(cfg, world_size: int):
     """Let the planner choose the layout values left ``auto`` (dufu.plan.auto), in ``cfg``; returns the start-up
     summary's line about it, or None when the config sets every value (the planner is then not imported)."""
-    from dufu.engine.schema import auto_layout_keys
+    from dufu.engine.schema import auto_layout_keys  # imports torch: not for --help
 
     if not auto_layout_keys(cfg):
         return None
-    from dufu.plan.auto import resolve_auto_layout
+    from dufu.plan.auto import resolve_auto_layout  # imports torch: not for --help
 
     return resolve_auto_layout(cfg, world_size)
 
 
 def launch(args, config, overrides, cfg) -> int:
     """Check the config for the requested world size here, once, then start the workers through torchrun."""
-    from dufu.cli.torchrun import run_torchrun
-    from dufu.engine.resilience.preemption import PREEMPTED_EXIT_CODE, read_marker
-    from dufu.engine.preflight import preflight
-    from dufu.parallel.launch import torchrun_command
+    from dufu.cli.torchrun import run_torchrun  # imports torch: not for --help
+    from dufu.engine.resilience.preemption import PREEMPTED_EXIT_CODE, read_marker  # imports torch: not for --help
+    from dufu.engine.preflight import preflight  # imports torch: not for --help
+    from dufu.parallel.launch import torchrun_command  # imports torch: not for --help
 
     nodes = [int(n) for n in str(args.nnodes).split(":")] if args.nnodes else [1]
     nnodes = nodes[-1]
     if args.max_restarts and not cfg.train.checkpointer.period:
         raise DufuError(
             f"--max-restarts {args.max_restarts} with periodic checkpoints turned off "
-            f"(train.checkpointer.period={cfg.train.checkpointer.get('period')!r}): a restarted job resumes from the "
+            f"(train.checkpointer.period={cfg.train.checkpointer.period!r}): a restarted job resumes from the "
             "last checkpoint, and there would be none, so every restart would begin again at step 0. Set "
             "train.checkpointer.period to a number of steps (e.g. train.checkpointer.period=100).")
     resume = True if args.resume else ("auto" if args.max_restarts else False)
     if len(nodes) > 1 and nodes[0] != nodes[-1]:  # elastic: the layout is derived again at every world size
-        from dufu.engine.resilience.elastic import check_elastic_range
+        from dufu.engine.resilience.elastic import check_elastic_range  # imports torch: not for --help
 
         check_elastic_range(cfg, args.nproc, nodes[0], nodes[-1], resume)
     else:

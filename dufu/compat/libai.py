@@ -46,6 +46,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate
 
 from dufu.compat.sbp import (
@@ -59,6 +60,8 @@ from dufu.compat.sbp import (
     split,
 )
 from dufu.errors import DufuError, LayoutError
+from dufu.parallel import env
+from dufu.parallel.launch import init_distributed
 from dufu.parallel.parallel_dims import ParallelDims
 
 __all__ = [
@@ -116,8 +119,6 @@ class DistContext:
         (creating process groups is collective); this rank is not a member of them, so a DTensor
         placed there is empty here, like a OneFlow global tensor whose placement excludes the rank.
         """
-        from torch.distributed.device_mesh import DeviceMesh
-
         own = self._mesh.get_coordinate()[0]
         meshes = []
         for stage in range(self._dims.pipeline_parallel_size):
@@ -330,9 +331,6 @@ def setup(
         custom = get("custom_pipeline_stage_id")
     else:
         virtual, custom = 1, None
-
-    from dufu.parallel.launch import init_distributed
-    from dufu.parallel import env
 
     _, local_rank, world_size = env.world_info()
     if dist.is_initialized():

@@ -12,6 +12,7 @@ from typing import Optional
 from torch.distributed.tensor import Partial, Placement, Replicate, Shard
 
 from dufu.errors import LayoutError
+from dufu.parallel.pipeline import layer_stage_ids
 
 #: The axes of a layer's placement (one pipeline stage's 2-D mesh), in LiBai's order.
 STAGE_AXES = ("data", "tensor")
@@ -47,8 +48,6 @@ def layer_pipeline_rank(
     are pp x v stages and stage s lives on pipeline rank s % pp. ``layer_idx`` may be negative
     (-1 = the last layer), as in LiBai.
     """
-    from dufu.parallel.pipeline import layer_stage_ids
-
     if not isinstance(layer_idx, int) or isinstance(layer_idx, bool):
         raise TypeError(f"layer_idx must be an int, got {layer_idx!r}")
     if not -num_layers <= layer_idx < num_layers:

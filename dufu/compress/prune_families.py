@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 from dufu.errors import DufuError
 from dufu.layers import Attention, GatedMLP, Linear, MLP
 from dufu.models.bert.model import (BertForMaskedLM, BertForSequenceClassification, BertModel,
-                                    RobertaForSequenceClassification, _BertEncoder)
+                                    RobertaForSequenceClassification)
 from dufu.models.gpt.model import GPTModel
 from dufu.models.llama.model import LlamaModel
 
@@ -73,7 +73,7 @@ def _llama_kwargs(model: LlamaModel) -> dict:
     )
 
 
-def _bert_kwargs(model: _BertEncoder) -> dict:
+def _bert_kwargs(model: BertModel | BertForMaskedLM | BertForSequenceClassification) -> dict:
     b = first_block(model)
     a = b.attn
     kwargs = dict(

@@ -110,7 +110,7 @@ def _quantization_config(ad, model: nn.Module, info: QuantizationInfo) -> dict:
     layers, int8 per row for the embedding and the vocabulary head, None for the task heads kept as they are."""
     # here, not at the top: torchao is optional
     from torchao.core.config import config_to_dict
-    from torchao.quantization import FqnToConfig
+    from torchao.quantization import FqnToConfig  # as above
 
     fqn = {}
     for name in info.quantized:

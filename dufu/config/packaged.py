@@ -14,6 +14,7 @@ from typing import Any
 
 from dufu.errors import ConfigError
 
+from .loader import load
 from .node import closest
 
 __all__ = ["get_config", "list_recipes", "resolve_config_path"]
@@ -66,8 +67,6 @@ def get_config(name: str, keys: str | tuple[str, ...] | None = None) -> Any:
 
     >>> train = get_config("common/train.py").train  # doctest: +SKIP
     """
-    from .loader import load
-
     root = _configs_root()
     rel = str(name).strip("/")
     candidates = [root / rel]

@@ -23,6 +23,7 @@ from __future__ import annotations
 import re
 
 import numpy as np
+from pydoc_data.topics import topics
 
 from dufu.errors import DataError
 
@@ -70,8 +71,6 @@ def topic_sentences() -> list[tuple[str, int]]:
     """(sentence, label) for every distinct sentence of the grouped pydoc topics, in topic and text order.
     Some topics repeat others' text (``compound`` holds ``for``, ``while`` ...): a sentence is kept once, and not
     at all if it appears under two groups."""
-    from pydoc_data.topics import topics
-
     labels: dict[str, set[int]] = {}
     for label, group in enumerate(TOPIC_GROUPS.values()):
         for topic in group:

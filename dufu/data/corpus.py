@@ -27,6 +27,8 @@ import os
 from pathlib import Path
 from typing import Iterator, Sequence, Union
 
+from pydoc_data.topics import topics
+
 from dufu.errors import DataError
 
 from . import hf_datasets
@@ -46,8 +48,6 @@ _ACCEPTED = (
 
 def builtin_documents() -> list[str]:
     """The built-in corpus: one document per ``pydoc_data`` topic, in sorted key order."""
-    from pydoc_data.topics import topics
-
     return [topics[key] for key in sorted(topics)]
 
 

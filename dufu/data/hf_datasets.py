@@ -77,7 +77,7 @@ def _describe(source: Path, what: str, capital: bool = True) -> str:
 
 def _datasets():
     try:
-        import datasets
+        import datasets  # optional (dufu[hf]), and about a second to import
     except ImportError:
         raise DataError(
             "Reading .parquet / .arrow files and save_to_disk directories needs the `datasets` library, which is "

@@ -77,7 +77,7 @@ def build_digits_datasets(
     ``valid_fraction`` of the 1,797 images (a permutation seeded by ``seed``) are validation; 0 gives
     ``(train, None)``. ``tokenizer`` is accepted and ignored (the trainer passes one to every data builder)."""
     try:
-        from sklearn.datasets import load_digits
+        from sklearn.datasets import load_digits  # scikit-learn takes seconds to import; only the digits data need it
     except ModuleNotFoundError:
         raise DataError("the digits data set ships with scikit-learn, which is not installed: "
                         "pip install scikit-learn (or pip install -e '.[test]').") from None

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Iterator, Sequence, Union
 
 import numpy as np
+from pydoc_data.topics import topics
 
 from dufu.errors import DataError
 
@@ -71,8 +72,6 @@ def builtin_sft_records(max_chars: int = 600) -> list[dict[str, str]]:
     """``{"prompt", "response"}`` for every ``pydoc_data`` topic in sorted order: ``Explain the Python topic:
     <name>`` (and a newline) and the topic's text without its titles, whole paragraphs up to about ``max_chars``
     characters."""
-    from pydoc_data.topics import topics
-
     records = []
     for name in sorted(topics):
         lines = topics[name].strip().splitlines()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
 class PromptEmbedding(nn.Module):
@@ -39,15 +40,11 @@ class PromptEmbedding(nn.Module):
 
 def _gathered(h: torch.Tensor, mesh) -> torch.Tensor:
     """The whole sequence from this rank's shard (B, T/tp, C) -> (B, T, C), differentiably."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     return DTensor.from_local(h, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()]).to_local()
 
 
 def _sharded(h: torch.Tensor, mesh) -> torch.Tensor:
     """This rank's shard of a whole sequence (B, T, C) -> (B, T/tp, C), differentiably."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     if h.shape[1] % mesh.size():
         raise ValueError(f"prompt tuning under sequence parallelism: the sequence with its virtual tokens has "
                          f"{h.shape[1]} positions, which do not split over {mesh.size()} tensor-parallel ranks; "

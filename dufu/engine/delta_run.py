@@ -8,27 +8,24 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dufu.config import LazyConfig, instantiate
+from dufu.delta.base import base_fingerprint
+from dufu.delta.lora import init_dora_magnitudes
+from dufu.delta.spec import apply_delta
+from dufu.engine.weights.checkpoint import Checkpointer
+from dufu.engine.weights.pretrained import pretrained_source
 from dufu.errors import CheckpointError
 from dufu.models.base import contract_of
+from dufu.parallel.materialize import materialize_
 
 
 def is_delta_checkpoint(ckpt: Path) -> bool:
-    from dufu.engine.weights.checkpoint import Checkpointer
-
     return "delta" in Checkpointer.read_meta(ckpt)
 
 
 def load_delta_run(ckpt: Path) -> nn.Module:
     """The model of delta checkpoint ``ckpt`` on the CPU: its config's model and delta, the base filled from its
     source (checked against the fingerprint the checkpoint recorded), then the delta's tensors."""
-    from dufu.config import LazyConfig, instantiate
-    from dufu.delta.base import base_fingerprint
-    from dufu.delta.lora import init_dora_magnitudes
-    from dufu.delta.spec import apply_delta
-    from dufu.engine.weights.checkpoint import Checkpointer
-    from dufu.engine.weights.pretrained import pretrained_source
-    from dufu.parallel.materialize import materialize_
-
     ckpt = Path(ckpt)
     cfg = LazyConfig.load(str(ckpt / "config.yaml"))
     saved = Checkpointer.read_meta(ckpt)["delta"]

@@ -96,8 +96,6 @@ def kd_loss(student: torch.Tensor, teacher: torch.Tensor, target: torch.Tensor, 
 def check_teacher(spec: Distillation, student) -> None:
     """The start-up check (:func:`dufu.engine.preflight.plan_run`, before any process group or worker): the
     teacher's vocabulary is the student's (``student``: the meta model)."""
-    from dufu.engine.weights.pretrained import pretrained_model
-
     with torch.device("meta"):
         teacher = pretrained_model(spec.teacher)
     theirs, ours = contract_of(teacher).vocab_size, contract_of(student).vocab_size

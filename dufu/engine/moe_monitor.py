@@ -117,10 +117,10 @@ class MoEMonitor(Hook):
         of the last window, layer by layer."""
         if not self.path.exists():
             return None
-        import matplotlib
+        import matplotlib  # about 0.4 s to import, only for the plot
 
         matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib.pyplot as plt  # after the backend is chosen
 
         records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
         if not records:

@@ -21,6 +21,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from dufu.engine.reporting.flops import device_peak_flops, matmul_speeds
 
@@ -115,8 +116,6 @@ def choose_precision(enabled, dtype_name: str, device: torch.device, override_tf
 
 def agree(precision: Precision | None, group=None) -> Precision:
     """Rank 0's decision on every rank (``precision`` is only needed on rank 0)."""
-    import torch.distributed as dist
-
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return precision
     box = [precision]

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from dufu.config import instantiate
+from dufu.delta import apply_delta
 from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.engine.distill import check_teacher
 from dufu.engine.resilience.fault_tolerance import check_config as check_fault_tolerance
@@ -159,8 +160,6 @@ def build_model(cfg, tokenizer, seq_length: int) -> nn.Module:
             raise
         raise ConfigError(f"the model cannot be built from model.*: {e}. Fix those keys in the config.") from None
     if cfg.get("delta") is not None:  # delta tuning: added to the single-device model, before any split
-        from dufu.delta import apply_delta
-
         apply_delta(model, instantiate(cfg.delta))
     vocab = contract_of(model).vocab_size
     if vocab is not None and tokenizer.vocab_size > vocab:

@@ -22,9 +22,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor.parallel import loss_parallel
 
 from dufu.config import instantiate
 from dufu.data import collate
+from dufu.delta.lora import init_dora_magnitudes
 from dufu.engine.reporting import report
 from dufu.engine.batch import to_model_inputs
 from dufu.engine.weights.checkpoint import Checkpointer
@@ -162,8 +164,6 @@ class Runtime:
             Checkpointer(ckpt.parent, rank=self.rank).load_model(
                 ckpt, parts.modules, skip=frozenset(self.delta.added) if self.delta is not None else frozenset())
         if self.delta is not None:  # DoRA's magnitudes start from the base weights now in place
-            from dufu.delta.lora import init_dora_magnitudes  # noqa: the delta package only for delta runs
-
             init_dora_magnitudes(parts.modules)
         return parts
 
@@ -181,8 +181,6 @@ class Runtime:
             ctx.enter_context(torch.autocast(self.device.type, dtype=self.amp_dtype))
         if self.dims.tp_enabled and loss:
             # Cross entropy on vocabulary-sharded logits: no rank gathers the full (B, T, V) tensor.
-            from torch.distributed.tensor.parallel import loss_parallel  # noqa: torch's TP only under TP
-
             ctx.enter_context(loss_parallel())
         return ctx
 

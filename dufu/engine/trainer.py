@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from dufu.config import LazyConfig, instantiate
 from dufu.data import ResumableBatchSampler
+from dufu.delta.base import base_fingerprint
 from dufu.engine import diagnose
 from dufu.engine.reporting import report
 from dufu.engine.resilience import fault_tolerance, faults
@@ -308,8 +309,6 @@ class Trainer:
     @functools.cached_property
     def delta_base(self) -> dict:
         """The base of a delta run, recorded with each checkpoint (which holds only the delta)."""
-        from dufu.delta.base import base_fingerprint  # noqa: the delta package only for delta runs
-
         return base_fingerprint(self.runtime.pretrained.path, self.cfg.train.seed, self.cfg.model)
 
     def load_checkpoint(self, path) -> None:

@@ -8,7 +8,7 @@ from torch import nn
 
 from dufu.layers.linear import Linear
 
-_ACTIVATIONS = {
+ACTIVATIONS = {
     "gelu": F.gelu,
     # GPT-2's "gelu_new": the tanh approximation of GELU (Hendrycks & Gimpel 2016).
     "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
@@ -30,15 +30,15 @@ class MLP(nn.Module):
         dropout: float = 0.0,
     ):
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"MLP(activation={activation!r}): expected one of {sorted(_ACTIVATIONS)}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"MLP(activation={activation!r}): expected one of {sorted(ACTIVATIONS)}")
         self.activation = activation
         self.fc1 = Linear(hidden_size, ffn_hidden_size, bias=bias, parallel="col")
         self.fc2 = Linear(ffn_hidden_size, hidden_size, bias=bias, parallel="row")
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.fc2(_ACTIVATIONS[self.activation](self.fc1(x))))
+        return self.dropout(self.fc2(ACTIVATIONS[self.activation](self.fc1(x))))
 
 
 class GatedMLP(nn.Module):
@@ -51,8 +51,8 @@ class GatedMLP(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, activation: str = "silu", bias: bool = False,
                  dropout: float = 0.0, tensor_parallel: bool = True):
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"GatedMLP(activation={activation!r}): expected one of {sorted(_ACTIVATIONS)}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"GatedMLP(activation={activation!r}): expected one of {sorted(ACTIVATIONS)}")
         self.activation = activation
         col, row = ("col", "row") if tensor_parallel else ("data", "data")
         self.gate_proj = Linear(hidden_size, ffn_hidden_size, bias=bias, parallel=col)
@@ -61,4 +61,4 @@ class GatedMLP(nn.Module):
         self.dropout = nn.Dropout(dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dropout(self.down_proj(_ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x)))
+        return self.dropout(self.down_proj(ACTIVATIONS[self.activation](self.gate_proj(x)) * self.up_proj(x)))

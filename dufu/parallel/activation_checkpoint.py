@@ -38,6 +38,9 @@ from typing import Callable, Optional
 
 import torch
 from torch import nn
+# torch's private modules: torch has no public dispatch mode or pytree API
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from dufu.parallel.parallelize_utils import transformer_blocks
@@ -152,9 +155,6 @@ class LiveActivations:
         self._mode = None
 
     def __enter__(self):
-        from torch.utils._python_dispatch import TorchDispatchMode
-        from torch.utils._pytree import tree_leaves
-
         storages = self._storages
 
         class _Record(TorchDispatchMode):

@@ -12,11 +12,14 @@ from dufu.parallel.tensor_parallel import tensor_parallel_plan
 
 
 def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microbatches: int) -> list[int] | None:
-    """Raise LayoutError for a layout the model cannot take; return the layer -> stage ids under PP."""
+    """Raise LayoutError for a layout the model cannot take; return the layer -> stage ids under PP.
+
+    ``dist_cfg`` and ``zero_cfg``: the validated ``train.dist`` and ``train.zero_optimization`` nodes (typed by
+    ``dufu.engine.schema``, so every key is there with its schema default)."""
     tp = dims.tensor_parallel_size
     declared = contract_of(model)
     if tp > 1:
-        if not tensor_parallel_plan(model, bool(dist_cfg.get("sequence_parallel")), head=declared.output_head()):
+        if not tensor_parallel_plan(model, bool(dist_cfg.sequence_parallel), head=declared.output_head()):
             raise LayoutError(
                 f"tensor parallelism needs a model built from dufu layers (they declare how they split), but "
                 f"{type(model).__name__} declares no tensor-parallel style, so tensor_parallel_size {tp} would "
@@ -65,18 +68,18 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
                 "(e.g. dufu train moe_debug).")
         check_experts_divisible(model, dims.expert_parallel_size)
     # The model's own refusal first: an image model has no sequence length to check.
-    if dist_cfg.get("sequence_parallel") and declared.sequence_parallel_unsupported_reason:
+    if dist_cfg.sequence_parallel and declared.sequence_parallel_unsupported_reason:
         raise LayoutError(
             f"{type(model).__name__} does not support sequence parallelism: "
             f"{_sentence(declared.sequence_parallel_unsupported_reason)} Set train.dist.sequence_parallel=False "
             "(tensor parallelism alone works)."
         )
-    if tp > 1 and dist_cfg.get("sequence_parallel") and seq_length % tp != 0:
+    if tp > 1 and dist_cfg.sequence_parallel and seq_length % tp != 0:
         raise LayoutError(
             f"sequence parallelism splits the sequence across tensor-parallel ranks, but seq_length "
             f"{seq_length} / {tp} is not whole. Use a sequence length divisible by {tp}."
         )
-    if tp == 1 and dist_cfg.get("sequence_parallel"):
+    if tp == 1 and dist_cfg.sequence_parallel:
         raise LayoutError(
             "train.dist.sequence_parallel=True needs tensor parallelism (it splits the sequence across the "
             "tensor-parallel ranks), but tensor_parallel_size is 1. Set train.dist.tensor_parallel_size > 1 or "
@@ -84,16 +87,16 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
         )
     if dims.context_parallel_size > 1:
         check_context_parallel(dims.context_parallel_size, model, seq_length)
-    zero = zero_cfg.get("enabled", False)
+    zero = zero_cfg.enabled
     if zero and dims.data_axis_size == 1:
         raise LayoutError(
-            f"ZeRO stage {zero_cfg.get('stage')} shards state across data-parallel ranks, but data_parallel_size "
+            f"ZeRO stage {zero_cfg.stage} shards state across data-parallel ranks, but data_parallel_size "
             "is 1, so there is nothing to shard. Use more data-parallel ranks (train.dist.data_parallel_size) or "
             "set train.zero_optimization.enabled=False."
         )
     pp = dims.pipeline_parallel_size
-    schedule = dist_cfg.get("pipeline_schedule", "1f1b")
-    v = dist_cfg.get("virtual_pipeline_size", 1) or 1
+    schedule = dist_cfg.pipeline_schedule
+    v = dist_cfg.virtual_pipeline_size or 1
     if schedule not in SCHEDULES:
         raise LayoutError(
             f"train.dist.pipeline_schedule={schedule!r} is not known; use one of {', '.join(SCHEDULES)}."
@@ -118,7 +121,7 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
             "train.dist.pipeline_schedule=interleaved_1f1b, or virtual_pipeline_size=1."
         )
     model_layers = pipeline_num_layers(model)  # encoder + decoder blocks for an encoder-decoder
-    num_layers = dist_cfg.get("pipeline_num_layers") or model_layers
+    num_layers = dist_cfg.pipeline_num_layers or model_layers
     if num_layers != model_layers:
         raise LayoutError(
             f"train.dist.pipeline_num_layers={num_layers} but the model has {model_layers} layers"
@@ -143,7 +146,7 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
             f"{schedule} needs the number of micro-batches ({num_microbatches}) to be a multiple of "
             f"pipeline_parallel_size {pp}; adjust train.global_batch_size or train.num_accumulation_steps."
         )
-    return layer_stage_ids(num_layers, stages, dist_cfg.get("custom_pipeline_stage_id"))
+    return layer_stage_ids(num_layers, stages, dist_cfg.custom_pipeline_stage_id)
 
 
 def check_context_parallel(cp: int, model, seq_length: int) -> None:

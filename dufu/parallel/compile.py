@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch._functorch.config  # torch-private: its caches have no public switch
 from torch import nn
 
 from dufu.cache import resolve_cache_dir
@@ -40,6 +41,7 @@ def compile_cache_dir() -> Path:
 def use_compile_cache(path: Optional[Path] = None) -> Path:
     """Keep inductor's compiled graphs in ``path`` (default :func:`compile_cache_dir`) and turn its persistent
     caches on; returns the directory in use. A ``TORCHINDUCTOR_CACHE_DIR`` the user set wins over dufu's."""
+    # inductor (torch-private, no public API) takes about 1 s to import: only runs that compile pay it
     from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
     current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
@@ -50,8 +52,7 @@ def use_compile_cache(path: Optional[Path] = None) -> Path:
         chosen = Path(path) if path is not None else compile_cache_dir()
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(chosen)
     chosen.mkdir(parents=True, exist_ok=True)
-    import torch._functorch.config
-    import torch._inductor.config
+    import torch._inductor.config  # as above
 
     torch._inductor.config.fx_graph_cache = True  # generated code, keyed by graph, inputs and config
     torch._functorch.config.enable_autograd_cache = True  # the forward/backward split, so AOT tracing is skipped
@@ -110,7 +111,7 @@ class CompileWatch:
             raise ValueError(f"on_recompile={self.on_recompile!r}: use 'warn', 'error' or None")
 
     def install(self) -> "CompileWatch":
-        from torch._dynamo.callback import callback_handler
+        from torch._dynamo.callback import callback_handler  # dynamo: ~1 s to import, when compiling only; private
 
         callback_handler.register_start_callback(self._start)
         callback_handler.register_end_callback(self._end)
@@ -118,7 +119,7 @@ class CompileWatch:
         return self
 
     def remove(self) -> None:
-        from torch._dynamo.callback import callback_handler
+        from torch._dynamo.callback import callback_handler  # dynamo: ~1 s to import, when compiling only; private
 
         for callbacks, fn in ((callback_handler.start_callbacks, self._start),
                               (callback_handler.end_callbacks, self._end)):
@@ -170,14 +171,14 @@ class CompileWatch:
 
 def _guard_failure_snapshot() -> dict:
     """How many guard-failure reasons dynamo has recorded so far, per code object."""
-    from torch._dynamo.guards import guard_failures
+    from torch._dynamo.guards import guard_failures  # dynamo: ~1 s to import, when compiling only; private
 
     return {code: len(reasons) for code, reasons in guard_failures.items()}
 
 
 def _guard_failures_since(snapshot: dict) -> list[str]:
     """The guard-failure reasons recorded after ``snapshot`` (dynamo keeps them per code object)."""
-    from torch._dynamo.guards import guard_failures
+    from torch._dynamo.guards import guard_failures  # dynamo: ~1 s to import, when compiling only; private
 
     return [str(r) for code, reasons in guard_failures.items() for r in reasons[snapshot.get(code, 0):]]
 

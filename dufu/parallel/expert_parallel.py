@@ -19,7 +19,7 @@ stays dp x tp x pp, and the ``data`` axis of ``dp`` ranks is seen as ``expert_da
   axis, applied before the blocks' own units, which then leave the experts out) and averages over its
   ``dp / ep`` ranks, so the experts' gradients also need a factor ``1 / ep`` to equal one device's. The
   dispatch applies it in backward, to the experts' output gradient, and undoes it on the token gradients going
-  back (:class:`_ScaleGrad`), so only the expert weights see it. (FSDP2's ``set_gradient_divide_factor`` would
+  back (:class:`ScaleGrad`), so only the expert weights see it. (FSDP2's ``set_gradient_divide_factor`` would
   say this directly, but torch 2.13 divides twice by it when the shard group has one rank: ``replicate``,
   and ZeRO with ``dp == ep``.) Everything else reduces over ``data``.
 * **ZeRO** shards the experts over ``expert_data`` and every other parameter over ``data``: torchtitan's layout.
@@ -32,10 +32,13 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from dufu.errors import LayoutError
+from dufu.parallel.data_parallel import InPlaceReduceScatter, _allow_bare_copies
 
 
 def expert_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -54,7 +57,7 @@ def check_experts_divisible(model: nn.Module, ep: int) -> None:
                 f"among {valid} that divides train.dist.data_parallel_size.")
 
 
-class _ScaleGrad(torch.autograd.Function):
+class ScaleGrad(torch.autograd.Function):
     """Identity forward; multiplies the gradient by ``factor`` in backward."""
 
     @staticmethod
@@ -80,7 +83,7 @@ class ExpertDispatch:
 
     def dispatch(self, module, inputs, mesh):
         x, counts = inputs  # (n, H) sorted by expert, (E,)
-        x = _ScaleGrad.apply(x, float(self.ep))  # undoes, for the tokens, the 1 / ep of combine (docstring)
+        x = ScaleGrad.apply(x, float(self.ep))  # undoes, for the tokens, the 1 / ep of combine (docstring)
         local = counts.numel() // self.ep
         received = torch.empty_like(counts)  # (ep x local,): from each peer, its counts for my experts
         dist.all_to_all_single(received, counts, group=self.group)
@@ -102,14 +105,13 @@ class ExpertDispatch:
         order, send, recv = self._saved.pop()
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.numel(), device=order.device)
-        out = _ScaleGrad.apply(out, 1.0 / self.ep)  # the experts' gradients: summed over ep, averaged over dp / ep
+        out = ScaleGrad.apply(out, 1.0 / self.ep)  # the experts' gradients: summed over ep, averaged over dp / ep
         return all_to_all_single_autograd(out.index_select(0, inverse), send, recv, self.group)
 
 
 def selective_checkpoint_notice(dist_cfg, checkpoint_cfg) -> str:
     """The start-up notice for selective activation checkpointing under expert parallelism (see parallelize)."""
-    if (dist_cfg.get("expert_parallel_size", 1) > 1 and checkpoint_cfg.get("enabled")
-            and checkpoint_cfg.get("mode", "full") == "selective"):
+    if dist_cfg.expert_parallel_size > 1 and checkpoint_cfg.enabled and checkpoint_cfg.mode == "selective":
         return ("activation checkpointing: blocks with a MoE layer are checkpointed in full, not selectively, "
                 "under expert parallelism (the experts' data-parallel unit inside the block records profiler "
                 "ranges torch's selective checkpointing cannot replay); the other blocks stay selective")
@@ -135,16 +137,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> nn.Module:
 def apply_expert_data_parallel(model: nn.Module, expert_data_mesh, zero_stage) -> None:
     """The data-parallel units of the experts on ``expert_data`` (before the blocks' units, which then leave them
     out); see the module docstring."""
-    from torch.distributed.fsdp import fully_shard
-
-    from dufu.parallel.data_parallel import InPlaceReduceScatter, _allow_bare_copies
-
     for _, experts in expert_modules(model):
         if zero_stage:
             fully_shard(experts, mesh=expert_data_mesh, reshard_after_forward=zero_stage >= 3)
         else:
-            from torch.distributed._composable.replicate_with_fsdp import replicate
-
             replicate(experts, mesh=expert_data_mesh)
         _allow_bare_copies([experts])  # it owns its parameters: materialize_ copies it bare
         if zero_stage and dist.get_backend(expert_data_mesh.get_group()) == "gloo":

@@ -26,6 +26,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from torch.distributed.device_mesh import init_device_mesh
+
 from dufu.errors import LayoutError
 
 
@@ -144,8 +146,6 @@ class ParallelDims:
     def build_mesh(self, device_type: str):
         """The 3-D mesh with axes ("pipeline", "data", "tensor"), LiBai's rank order; its data axis holds dp x cp
         ranks (module docstring)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
         return init_device_mesh(
             device_type,
             (self.pipeline_parallel_size, self.data_axis_size, self.tensor_parallel_size),

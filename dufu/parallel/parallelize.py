@@ -17,6 +17,8 @@ from torch import nn
 
 from dufu.parallel.activation_checkpoint import apply_activation_checkpointing
 from dufu.parallel.compile import apply_compile
+from dufu.parallel.context_parallel import apply_context_parallel
+from dufu.parallel.parallelize_utils import transformer_blocks
 
 
 def parallelize(
@@ -42,16 +44,16 @@ def parallelize(
     else None. ``context_parallel``: the rank's :class:`~dufu.parallel.context_parallel.ContextParallel`, or None.
     """
     if tensor_parallel:
+        # DTensor's and FSDP's modules (~1 s) load when a layout uses them, not with `import dufu.parallel`
+        # (ParallelDims, the launch helpers); so below
         from dufu.parallel.tensor_parallel import apply_tensor_parallel
 
         apply_tensor_parallel(model, mesh["tensor"], sequence_parallel=sequence_parallel)
     if expert_mesh is not None:
-        from dufu.parallel.expert_parallel import apply_expert_parallel
+        from dufu.parallel.expert_parallel import apply_expert_parallel  # DTensor (~1 s): only under EP
 
         apply_expert_parallel(model, expert_mesh["expert"])
     if context_parallel is not None:
-        from dufu.parallel.context_parallel import apply_context_parallel
-
         apply_context_parallel(model, context_parallel)
     if activation_checkpoint:
         mode = "full" if activation_checkpoint is True else activation_checkpoint
@@ -59,8 +61,7 @@ def parallelize(
             # The experts' data-parallel unit sits inside the block, and FSDP2's hooks record profiler ranges
             # that torch 2.13's selective checkpointing cannot replay in the recomputation: blocks with a MoE
             # layer are checkpointed in full (the start-up summary says so: selective_checkpoint_notice).
-            from dufu.parallel.expert_parallel import expert_modules
-            from dufu.parallel.parallelize_utils import transformer_blocks
+            from dufu.parallel.expert_parallel import expert_modules  # DTensor (~1 s): only under EP
 
             blocks = transformer_blocks(model)
             moe = [(n, b) for n, b in blocks if expert_modules(b)]
@@ -74,10 +75,10 @@ def parallelize(
     if compile:
         apply_compile(model)
     if data_parallel or zero_stage:
-        from dufu.parallel.data_parallel import apply_fsdp, apply_replicate
+        from dufu.parallel.data_parallel import apply_fsdp, apply_replicate  # FSDP (~1 s): only under DP/ZeRO
 
         if expert_mesh is not None:  # the experts' units first, on their own axis; the blocks' leave them out
-            from dufu.parallel.expert_parallel import apply_expert_data_parallel
+            from dufu.parallel.expert_parallel import apply_expert_data_parallel  # DTensor: only under EP
 
             apply_expert_data_parallel(model, expert_mesh["expert_data"], zero_stage)
         if zero_stage:

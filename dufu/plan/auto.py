@@ -10,11 +10,18 @@ the catalog).
 
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import replace
 from typing import Optional
+
+import torch
 
 from dufu.errors import LayoutError
 from dufu.plan.cpu import measured_cpu
 from dufu.plan.hardware import CATALOG, Hardware
+from dufu.plan.report import _bytes, _seconds, layout_text
+from dufu.plan.search import search
 from dufu.engine.schema import auto_layout_keys
 
 
@@ -26,10 +33,6 @@ def has_auto(cfg) -> bool:
 def hardware_for_run(cfg) -> Hardware:
     """The device a run trains on, as the planner knows it: this CPU (measured), or the catalog's GPU whose name and
     memory match ``torch.cuda``'s device."""
-    import os
-
-    import torch
-
     device = cfg.train.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -50,8 +53,6 @@ def hardware_for_run(cfg) -> Hardware:
             "catalog lacks. Add it to a hardware file ($DUFU_HARDWARE, see docs/plan.md), or set the layout "
             "explicitly."
         )
-    from dataclasses import replace
-
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", torch.cuda.device_count() or best.devices_per_node))
     return replace(best, devices_per_node=per_node)
 
@@ -61,9 +62,6 @@ def resolve_auto_layout(cfg, world_size: int, hardware: Optional[Hardware] = Non
     place); return the start-up summary's line saying which layout was chosen and why, or None without auto."""
     if not has_auto(cfg):
         return None
-    from dufu.plan.report import _bytes, _seconds, layout_text
-    from dufu.plan.search import search
-
     requested = cfg.train.dist.auto is True
     hw = hardware or hardware_for_run(cfg)
     plan = search(cfg, world_size, hw)
@@ -134,8 +132,6 @@ RESOLVED_KEYS = ("train.dist.data_parallel_size", "train.dist.tensor_parallel_si
 
 def resolved_overrides(cfg) -> list[str]:
     """``key=value`` overrides that set a resolved config's layout (after :func:`resolve_auto_layout`)."""
-    import json
-
     out = ["train.dist.auto=False"] if "auto" in cfg.train.dist else []
     for key in RESOLVED_KEYS:
         if key.rsplit(".", 1)[1] in ("expert_parallel_size", "context_parallel_size") and \

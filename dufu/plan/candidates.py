@@ -10,6 +10,7 @@ from __future__ import annotations
 import itertools
 
 from dufu.engine.schema import is_auto
+from dufu.engine.validate import resolve_batch_sizes
 from dufu.errors import ConfigError, DufuError
 from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
 from dufu.plan.shapes import ModelInfo
@@ -120,8 +121,6 @@ def structures(cfg, world_size: int, autos: list[str], info: ModelInfo, cps=None
 
 def with_micro_batches(cfg, s: dict, autos: list[str], setup: Setup, max_micro: int, rejected: list):
     """The structure's layouts with each micro-batch size to try, small to large."""
-    from dufu.engine.validate import resolve_batch_sizes
-
     t = cfg.train
     dp = s["dp"]
     global_ = setup.global_batch_size

@@ -6,6 +6,7 @@ docstring), which adds these times into the step time.
 
 from __future__ import annotations
 
+from dufu.plan.experts import COUNT_BYTES
 from dufu.plan.hardware import Hardware
 from dufu.plan.layout import Layout
 from dufu.plan.memory import expert_elems, part_elems
@@ -78,8 +79,6 @@ def ep_comm(trace: Trace, q: int, layout: Layout, hw: Hardware, share: float) ->
     tokens in its own group. Activation checkpointing repeats the forward's exchanges: under expert parallelism
     dufu checkpoints the blocks with a MoE layer in full even in selective mode (:mod:`dufu.parallel.parallelize`,
     and the trace likewise)."""
-    from dufu.plan.experts import COUNT_BYTES
-
     ep = layout.expert_parallel_size
     if ep <= 1 or not trace.experts:
         return 0.0, 0.0

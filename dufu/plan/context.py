@@ -31,6 +31,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from dufu.parallel.context_parallel import ContextParallel, apply_context_parallel
+
 
 @dataclass
 class KVGather:
@@ -78,8 +80,6 @@ class _Gathered(torch.autograd.Function):
 def split_for_context_parallel(model: nn.Module, inputs: dict, cp: int, device: str = "cpu") -> dict:
     """Give the fake ``model`` rank 0's ContextParallel of ``cp`` ranks, its all-gather stood in for
     (:class:`_Gathered`); return rank 0's share of the fake batch ``inputs``."""
-    from dufu.parallel.context_parallel import ContextParallel, apply_context_parallel
-
     context = ContextParallel(None, cp, 0, gather=lambda x, dim: _Gathered.apply(x, dim, cp))
     context.device_type = device  # the attention path of the device planned for (masked on GPUs, chunked on CPUs)
     apply_context_parallel(model, context)

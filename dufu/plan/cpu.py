@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from dufu.cache import file_lock, resolve_cache_dir
-from dufu.engine.reporting.flops import _cpu_name, device_peak_flops
+from dufu.engine.reporting.flops import cpu_name, device_peak_flops
 from dufu.models.gpt import GPTModel
 from dufu.plan.device import GB, Hardware
 
@@ -38,7 +38,7 @@ _DTENSOR_OP_FACTOR = 12.0
 
 
 def _cpu_key() -> str:
-    return f"{_cpu_name()}|cores={os.cpu_count()}|torch={torch.__version__}|probe={_PROBE_VERSION}"
+    return f"{cpu_name()}|cores={os.cpu_count()}|torch={torch.__version__}|probe={_PROBE_VERSION}"
 
 
 def measured_cpu(remeasure: bool = False) -> Hardware:
@@ -164,7 +164,7 @@ def probe_cpu() -> dict:
     this reading included): a reading taken while other processes share the cores is low and must not stick."""
     cores = os.cpu_count() or 1
     threads_before = torch.get_num_threads()
-    record = {"cpu": _cpu_name(), "cores": cores, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+    record = {"cpu": cpu_name(), "cores": cores, "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "machine": platform.machine(), "gemm": {}}
     dtypes = (("fp32", torch.float32), ("bf16", torch.bfloat16))
     try:

@@ -31,6 +31,8 @@ import math
 import torch
 from torch import nn
 
+from dufu.parallel import expert_parallel
+
 # Small ops ExpertDispatch runs besides the ones stood in for here, counted off dufu.parallel.expert_parallel:
 # the dispatch's sums of the counts, the expert-major order (cumulative sums, repeat_interleave, index
 # arithmetic); the combine's inverse order. Each costs a dispatch (host time).
@@ -58,9 +60,7 @@ def kept_assignments(moe, n: int) -> int:
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The experts modules (those that declare the expert-parallel style) of ``model``."""
-    from dufu.parallel.expert_parallel import expert_modules as named
-
-    return [m for _, m in named(model)]
+    return [m for _, m in expert_parallel.expert_modules(model)]
 
 
 def localize(model: nn.Module, ep: int) -> None:
@@ -90,9 +90,7 @@ class _Exchange(torch.autograd.Function):
 def dispatch(x: torch.Tensor, ep: int) -> torch.Tensor:
     """What :meth:`ExpertDispatch.dispatch` does to a rank's sorted token copies ``x`` (n, H), balanced: the
     received copies, reordered expert-major."""
-    from dufu.parallel.expert_parallel import _ScaleGrad
-
-    x = _ScaleGrad.apply(x, float(ep))
+    x = expert_parallel.ScaleGrad.apply(x, float(ep))
     y = _Exchange.apply(x)  # (n, H): peer-major
     order = torch.arange(y.shape[0], device=y.device)
     return y.index_select(0, order)  # (n, H): expert-major
@@ -101,10 +99,8 @@ def dispatch(x: torch.Tensor, ep: int) -> torch.Tensor:
 def combine(out: torch.Tensor, ep: int) -> torch.Tensor:
     """What :meth:`ExpertDispatch.combine` does to the local experts' outputs (n, H): back to peer-major order,
     then to the ranks the tokens came from."""
-    from dufu.parallel.expert_parallel import _ScaleGrad
-
     inverse = torch.arange(out.shape[0], device=out.device)
-    out = _ScaleGrad.apply(out, 1.0 / ep)
+    out = expert_parallel.ScaleGrad.apply(out, 1.0 / ep)
     return _Exchange.apply(out.index_select(0, inverse))
 
 

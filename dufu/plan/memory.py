@@ -41,6 +41,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dufu.parallel.pipeline import layer_stage_ids
 from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
 from dufu.plan.shapes import ModelInfo, Trace
 
@@ -61,8 +62,6 @@ class RankMemory:
 
 def rank_parts(info: ModelInfo, layout: Layout, setup: Setup) -> list[list[int]]:
     """The model parts (indices into ``info.parts``) each pipeline rank holds, in forward order."""
-    from dufu.parallel.pipeline import layer_stage_ids
-
     pp, v = layout.pipeline_parallel_size, layout.virtual_pipeline_size
     if pp == 1:
         return [list(range(len(info.parts)))]

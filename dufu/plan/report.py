@@ -111,7 +111,7 @@ def plot_memory(plan: Plan, path: str, top: int = 8) -> str:
     import matplotlib  # here, not at the top: about a second to import, for --plot only
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after the backend is chosen
 
     shown = list(plan[:top])
     fig, ax = plt.subplots(figsize=(max(6.0, 1.2 * len(shown) + 3), 5))

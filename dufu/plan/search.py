@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
-from dufu.config import LazyConfig
+from dufu.config import ConfigDict, LazyConfig
 from dufu.engine.validate import resolve_batch_sizes
 from dufu.errors import ConfigError, DufuError, LayoutError
 from dufu.models.base import contract_of
@@ -154,8 +154,9 @@ def _with_experts(cfg, autos: list[str], info: ModelInfo) -> list[str]:
     return autos
 
 
-def _dist_cfg(cfg, layout: Layout) -> dict:
-    d = dict(cfg.train.dist)
+def _dist_cfg(cfg, layout: Layout) -> ConfigDict:
+    """The config's ``train.dist`` node with ``layout``'s values."""
+    d = ConfigDict(cfg.train.dist)
     d.update(data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tensor_parallel_size,
              pipeline_parallel_size=layout.pipeline_parallel_size, sequence_parallel=layout.sequence_parallel,
              virtual_pipeline_size=layout.virtual_pipeline_size, pipeline_schedule=layout.pipeline_schedule,
@@ -168,7 +169,7 @@ def check_layout(info: ModelInfo, cfg, layout: Layout) -> None:
     """Raise LayoutError exactly where ``dufu train`` would, for ``layout`` on ``info``'s model."""
     dims = ParallelDims(layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size,
                         layout.world_size, layout.expert_parallel_size, layout.context_parallel_size)
-    zero_cfg = {"enabled": bool(layout.zero_stage), "stage": layout.zero_stage or 1}
+    zero_cfg = ConfigDict(cfg.train.zero_optimization, enabled=bool(layout.zero_stage), stage=layout.zero_stage or 1)
     stage_ids = validate_layout(dims, info.model, _dist_cfg(cfg, layout), zero_cfg, info.seq_length,
                                 layout.num_accumulation_steps)
     if stage_ids is not None and contract_of(info.model).pipeline_loss is None:

@@ -51,11 +51,14 @@ from __future__ import annotations
 
 import os
 
+from dufu.config import LazyConfig, resolve_config_path
 from dufu.plan.comm import collective, cp_comm, data_parallel_groups, ep_comm, group_link, tp_comm
+from dufu.plan.cpu import CALIBRATION_BATCH, CALIBRATION_MODEL
 from dufu.plan.hardware import Hardware
 from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
-from dufu.plan.memory import expert_elems, owned, part_elems, rank_parts
-from dufu.plan.shapes import ModelInfo, Trace, lin
+from dufu.plan.memory import _events_by_part, _storage_bytes, expert_elems, owned, part_elems, rank_parts
+from dufu.plan.shapes import ModelInfo, Trace, build_model_info, lin
+from dufu.plan.trace import get_trace
 
 
 _BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
@@ -98,8 +101,6 @@ class Pricer:
         system, every traced allocation of at least ``MALLOC_MMAP_THRESHOLD_`` bytes is new memory."""
         if not self.page_faults or self.mmap_threshold is None:
             return 0.0
-        from dufu.plan.memory import _events_by_part, _storage_bytes
-
         fresh = 0.0
         for sign, sid in _events_by_part(self.trace).get((q, phase), ()):
             if sign > 0:
@@ -172,12 +173,6 @@ def calibration_factor(hw: Hardware, threads: int) -> float:
         return 1.0
     key = (hw.name, measured)
     if key not in _CALIBRATION:
-        from dufu.config import LazyConfig, resolve_config_path
-        from dufu.plan.cpu import CALIBRATION_BATCH, CALIBRATION_MODEL
-        from dufu.plan.layout import Layout
-        from dufu.plan.shapes import build_model_info
-        from dufu.plan.trace import get_trace
-
         cfg = LazyConfig.load(str(resolve_config_path("gpt_debug")))
         b, t = CALIBRATION_BATCH
         cfg.model.update(CALIBRATION_MODEL)

@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 from torch import nn
 
+from dufu.config.schema import schema_node
 from dufu.parallel.parallel_dims import ParallelDims
 from dufu.engine.preflight import preflight
+from dufu.engine.schema import Dist, ZeroOptimization
 from dufu.errors import LayoutError
 from dufu.parallel.checks import validate_layout
 from dufu_testing import load_config
@@ -143,7 +145,8 @@ def test_a_model_that_refuses_pipelines_says_why_in_sentences():
 
     dims = ParallelDims(pipeline_parallel_size=2, world_size=2)
     with pytest.raises(LayoutError, match=r"stages: its one cell runs every step\. Use data/tensor parallelism"):
-        validate_layout(dims, Recurrent(), {}, {}, seq_length=32, num_microbatches=2)
+        validate_layout(dims, Recurrent(), schema_node(Dist), schema_node(ZeroOptimization), seq_length=32,
+                        num_microbatches=2)
 
 
 # Pre-norm (GPT, LLaMA) and post-norm (BERT, RoBERTa) blocks alike take sequence parallelism.
@@ -186,7 +189,8 @@ def test_tp_not_dividing_hidden_size():
 
     dims = ParallelDims(tensor_parallel_size=4, world_size=4)
     with pytest.raises(LayoutError, match=r"model.hidden_size across ranks, but 66 / tensor_parallel_size 4 = 16.5"):
-        validate_layout(dims, Mixer(), {}, {}, seq_length=32, num_microbatches=1)
+        validate_layout(dims, Mixer(), schema_node(Dist), schema_node(ZeroOptimization), seq_length=32,
+                        num_microbatches=1)
 
 
 def test_cli_reports_a_bad_layout_in_one_paragraph(run_cli):

@@ -44,7 +44,7 @@ from torch import nn
 from dufu.cache import file_lock, resolve_cache_dir, short_hash
 from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.engine.delta_run import is_delta_checkpoint
-from dufu.engine.weights.pretrained import _dufu_checkpoint_tensors, pretrained_model, resolve_dufu_checkpoint
+from dufu.engine.weights.pretrained import dufu_checkpoint_tensors, pretrained_model, resolve_dufu_checkpoint
 from dufu.errors import DataError, DufuError
 from dufu.models.gpt import GPTModel
 from dufu.models.hf_weights import StoredTensor
@@ -189,7 +189,7 @@ def open_source(source: str | Path):
              "manifest_sha256": hashlib.sha256((ckpt / "manifest.json").read_bytes()).hexdigest()}
     if not _stamped(directory, stamp):
         Checkpointer(ckpt.parent).verify(ckpt)  # sizes and checksums, before the files are trusted
-        _convert(model, lambda keys: _dufu_checkpoint_tensors(ckpt, model, keys), directory, stamp,
+        _convert(model, lambda keys: dufu_checkpoint_tensors(ckpt, model, keys), directory, stamp,
                  f"the dufu checkpoint {ckpt}")
     weights = MappedSafetensors(directory)
     readers = {k: StoredTensor(weights, k) for k in model.state_dict() if k in weights}

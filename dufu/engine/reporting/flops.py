@@ -88,7 +88,7 @@ def flops_per_token(num_matmul_params: int, num_layers: int, hidden_size: int, s
     return 6.0 * num_matmul_params + 12.0 * num_layers * hidden_size * seq_length
 
 
-def _cpu_name() -> str:
+def cpu_name() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
@@ -183,7 +183,7 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops:
     sheet = _data_sheet(device, dtype)
     if sheet is not None:
         return sheet
-    cpu = _cpu_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
+    cpu = cpu_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
     key = f"{device.type}|{cpu}|threads={torch.get_num_threads()}|{dtype}|torch={torch.__version__}"
     cache = resolve_cache_dir() / "peak_flops.json"
     table = {}

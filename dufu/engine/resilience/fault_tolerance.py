@@ -41,6 +41,7 @@ from urllib.parse import urlparse
 
 import torch
 import torch.distributed as dist
+from torch.distributed import TCPStore
 
 from dufu.engine.resilience.fault_tolerance_state import TrainingState
 from dufu.engine.hooks import Hook, RetryStep
@@ -113,7 +114,7 @@ def check_config(cfg, dims) -> None:
                 "and bf16 or fp32 (train.amp.dtype='bf16'), or mode='replicate'.")
     if mode == "diloco":
         outer = ft.outer_optimizer
-        if not outer.get("lr", 0) > 0 or not 0 <= outer.get("momentum", 0) < 1:
+        if not outer.lr > 0 or not 0 <= outer.momentum < 1:
             raise ConfigError(f"train.fault_tolerance.outer_optimizer={dict(outer)!r}: DiLoCo's outer Nesterov SGD "
                               "needs lr > 0 and 0 <= momentum < 1 (the paper's: lr=0.7, momentum=0.9).")
     check_lighthouse(lighthouse_address(ft.lighthouse), float(ft.connect_timeout_seconds))
@@ -155,7 +156,7 @@ class ReplicaGroups(Hook):
                  mode="replicate", sync_every=100, outer_optimizer=None, timeout_seconds=60.0,
                  quorum_timeout_seconds=300.0, connect_timeout_seconds=10.0):
         os.environ.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum and commit at info level
-        import torchft
+        import torchft  # optional (dufu[ft]): only for fault-tolerant runs
 
         # torchft says at every new quorum that it cannot reset NCCL's flight recorder (there is none on CPUs)
         logging.getLogger("torchft.manager").setLevel(logging.ERROR)
@@ -193,8 +194,6 @@ class ReplicaGroups(Hook):
     def _group_store(self) -> tuple[str, int]:
         """A TCPStore of this group for its Manager, new in every attempt (a restarted torchrun's store still holds
         the dead attempt's Manager address): hosted by the group's rank 0, its address shared over gloo."""
-        from torch.distributed import TCPStore
-
         trainer, where = self.trainer, [None]
         if trainer.rank == 0:
             self.store = TCPStore(host_name="0.0.0.0", port=0, is_master=True, wait_for_workers=False)
@@ -218,7 +217,7 @@ class ReplicaGroups(Hook):
     def _start_algorithm(self) -> None:
         """DiLoCo / LocalSGD hook into the inner optimizer; built at the first step, after a resume loaded the
         weights DiLoCo keeps as those of the last synchronisation."""
-        from torchft.local_sgd import DiLoCo, LocalSGD
+        from torchft.local_sgd import DiLoCo, LocalSGD  # optional (dufu[ft])
 
         t = self.trainer
         if self.mode == "diloco":

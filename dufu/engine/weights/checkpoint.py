@@ -27,6 +27,9 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+# torch's private DCP pieces, for reading a checkpoint whose keys are not known in advance: torch has no public API
+# for that (its own dcp_to_torch_save uses these two)
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -34,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_state_dict,
 )
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict  # private, as above
 
 from dufu.errors import CheckpointError
 
@@ -111,8 +115,6 @@ def _describe_load_failure(path: Path, e: BaseException) -> str:
         if isinstance(inner, CheckpointError):
             return str(inner)
     text = " ".join(str(e).split())
-    import re
-
     # DCP re-raises a rank's error as text inside its own; recover dufu's message from it.
     found = re.search(r"(checkpoint metadata \S+ cannot be read: .*?use another checkpoint\.)", text)
     if found:
@@ -298,9 +300,6 @@ class Checkpointer:
     def consolidated_model_state(self, path: Path) -> dict:
         """The full (unsharded) model state dict of a checkpoint, read in this one process, whatever the
         layout and number of processes that wrote it."""
-        from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-        from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
         class _Planner(_EmptyStateDictLoadPlanner):
             load_bytes = SafeLoadPlanner.load_bytes
 

@@ -27,10 +27,8 @@ _METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed
 
 class _MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module, name):
-        import torch as _torch
-
-        if module == "torch" and isinstance(getattr(_torch, name, None), _torch.dtype):
-            return getattr(_torch, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
         if (module, name) in _METADATA_GLOBALS or module.startswith(_METADATA_MODULES):
             return super().find_class(module, name)
         raise pickle.UnpicklingError(f"refusing to load {module}.{name} from checkpoint metadata")

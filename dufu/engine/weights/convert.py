@@ -14,8 +14,16 @@ from pathlib import Path
 import torch
 
 from dufu.config import LazyConfig, instantiate
+from dufu.data import Tokenizer
+from dufu.delta import peft
+from dufu.delta.base import base_fingerprint
+from dufu.delta.lora import lora_layers
+from dufu.delta.spec import apply_delta
+from dufu.engine.delta_run import load_delta_run
 from dufu.engine.weights.checkpoint import Checkpointer
+from dufu.engine.weights.pretrained import save_pretrained
 from dufu.errors import CheckpointError, DufuError
+from dufu.models import hub
 
 
 def resolve_checkpoint(path: str | Path) -> Path:
@@ -53,8 +61,6 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path, merge: bool = False) -> P
     cfg = LazyConfig.load(str(cfg_path))
     with torch.device("meta"):
         model = instantiate(cfg.model)
-    from dufu.models import hub
-
     try:
         hub.adapter_for_model(model)
     except DufuError as e:
@@ -73,14 +79,6 @@ def delta_to_hf(ckpt: Path, cfg, model, out_dir: Path, merge: bool = False) -> P
     names a Hugging Face directory of the base: the one the run started from (``model.pretrained``), or, for a
     base dufu initialised (seeded) or a dufu run as the base, one written beside the adapter (``out_dir/base``).
     ``merge``: the merged model instead (also what a delta without LoRA, e.g. BitFit, always gives)."""
-    from dufu.delta import peft
-    from dufu.delta.base import base_fingerprint
-    from dufu.delta.lora import lora_layers
-    from dufu.delta.spec import apply_delta
-    from dufu.engine.delta_run import load_delta_run
-    from dufu.engine.weights.pretrained import save_pretrained
-    from dufu.models import hub
-
     saved = Checkpointer.read_meta(ckpt)["delta"]
     base = saved.get("base")  # the pretrained path the run started from; None: dufu's seeded initialisation
     apply_delta(model, instantiate(cfg.delta))  # on the meta device: the layers and their ranks
@@ -114,8 +112,6 @@ def _finish_hf_dir(ckpt: Path, out_dir: Path) -> None:
     tokenizer = ckpt.parent.parent / "tokenizer.json"
     hf_config["bos_token_id"] = hf_config["eos_token_id"] = None
     if tokenizer.is_file():
-        from dufu.data import Tokenizer
-
         shutil.copyfile(tokenizer, out_dir / "tokenizer.json")
         hf_config["bos_token_id"] = hf_config["eos_token_id"] = Tokenizer.from_file(str(tokenizer)).eod_id
     (out_dir / "config.json").write_text(json.dumps(hf_config, indent=2))

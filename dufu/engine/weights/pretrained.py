@@ -23,8 +23,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+import torch.distributed.checkpoint as dcp
 from torch import nn
 
+from dufu.config import LazyConfig, instantiate
+from dufu.delta import peft
+from dufu.delta.lora import lora_layers
+from dufu.delta.peft import load_adapter
 from dufu.engine.weights.checkpoint import Checkpointer, SafeFileSystemReader, SafeLoadPlanner
 from dufu.errors import DataError, DufuError
 from dufu.models.hub import (
@@ -36,6 +41,7 @@ from dufu.models.hub import (
     check_source_shape,
     hf_tensor_sources,
     read_hf_config,
+    write_hf_model,
 )
 from dufu.parallel.materialize import materialize_
 from dufu.models.base import contract_of
@@ -56,10 +62,8 @@ def resolve_dufu_checkpoint(path: str | Path) -> Path:
                     "checkpoint directory.")
 
 
-def _dufu_checkpoint_tensors(ckpt: Path, module: nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:
+def dufu_checkpoint_tensors(ckpt: Path, module: nn.Module, keys: list[str]) -> dict[str, torch.Tensor]:
     """Only ``keys`` of the checkpoint's model state, read by DCP into fresh tensors (tied names resolved)."""
-    import torch.distributed.checkpoint as dcp
-
     reader = SafeFileSystemReader(str(ckpt))
     available = reader.read_metadata().state_dict_metadata
     aliases = {}
@@ -85,8 +89,6 @@ def check_pretrained(module: nn.Module, path: str | Path, check_sizes: bool = Tr
     Hugging Face directory, ``(what, None, checkpoint_dir)`` for a dufu run or checkpoint. A missing path, or
     sizes in the source's config that differ from ``module``'s, is a DataError naming both (the start-up
     checks of ``dufu train --nproc`` run this before any worker starts)."""
-    from dufu.config import LazyConfig
-
     path = Path(path)
     if (path / "config.json").is_file():
         hf_config = read_hf_config(path)
@@ -121,7 +123,7 @@ def pretrained_source(module: nn.Module, path: str | Path, strict: bool = False,
     if ad is not None:
         source = hf_tensor_sources(ad, module, path)
     else:
-        source = _dufu_checkpoint_tensors(ckpt, module, list(own))
+        source = dufu_checkpoint_tensors(ckpt, module, list(own))
     delta = contract_of(module).delta_info
     added = set(delta.added if delta is not None else ())  # a delta's own: in no base
     missing = [k for k in own if k not in source and k not in tied and k not in added]
@@ -179,8 +181,6 @@ def from_pretrained(path: str | Path, architecture: Optional[str] = None, adapte
     model = _filled(model, path, strict=True)
     model.pretrained_path = str(path)  # the base an adapter written from this model names
     if adapter is not None:
-        from dufu.delta.peft import load_adapter
-
         load_adapter(model, adapter)
     return model
 
@@ -191,8 +191,6 @@ def pretrained_model(path: str | Path, architecture: Optional[str] = None, **ove
     checkpoint (whose config.yaml gives the architecture). ``overrides``: constructor arguments to change
     (e.g. dropout). Under ``torch.device("meta")`` (start-up checks, the trainer's build) only the shapes
     are built and ``pretrained_path`` is recorded for the trainer to fill shard by shard."""
-    from dufu.config import LazyConfig, instantiate
-
     path = Path(path)
     meta = torch.empty(0).is_meta
     if (path / "config.json").is_file():
@@ -228,10 +226,6 @@ def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dic
     base; ``base``: the base's Hugging Face directory, see :func:`dufu.delta.peft.save_adapter`), or with
     ``merge=True`` as the plain model with the LoRA updates folded into the weights. ``state_dict``: the
     values to write, for a model built on the meta device."""
-    from dufu.delta import peft
-    from dufu.delta.lora import lora_layers
-    from dufu.models.hub import write_hf_model
-
     peft.check_lora_only(model)
     sd = state_dict if state_dict is not None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if lora_layers(model):

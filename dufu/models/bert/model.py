@@ -38,7 +38,7 @@ from dufu.layers import (
     VocabEmbedding,
 )
 from dufu.layers.loss import masked_lm_loss, sequence_classification_loss
-from dufu.layers.mlp import _ACTIVATIONS
+from dufu.layers.mlp import ACTIVATIONS
 from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
 
@@ -106,14 +106,14 @@ class MaskedLMTransform(nn.Module):
 
     def __init__(self, hidden_size: int, activation: str = "gelu", layernorm_epsilon: float = 1e-12):
         super().__init__()
-        if activation not in _ACTIVATIONS:
-            raise ValueError(f"activation {activation!r}: expected one of {sorted(_ACTIVATIONS)}")
+        if activation not in ACTIVATIONS:
+            raise ValueError(f"activation {activation!r}: expected one of {sorted(ACTIVATIONS)}")
         self.activation = activation
         self.dense = TokenwiseLinear(hidden_size, hidden_size)
         self.ln = LayerNorm(hidden_size, eps=layernorm_epsilon)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        return self.ln(_ACTIVATIONS[self.activation](self.dense(h)))
+        return self.ln(ACTIVATIONS[self.activation](self.dense(h)))
 
 
 class RobertaClassificationHead(nn.Module):

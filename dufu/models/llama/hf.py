@@ -15,7 +15,7 @@ from dufu.models.hub import register
 from dufu.models.llama.model import LlamaModel
 
 # ----------------------------------------------------------------------------- config
-def _rope_from_hf(hf: dict) -> tuple[float, dict | None]:
+def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
     params = dict(hf.get("rope_parameters") or {})  # transformers >= 5
     legacy = hf.get("rope_scaling")  # older configs: rope_theta + rope_scaling
     if legacy and params.get("rope_type", params.get("type", "default")) == "default":
@@ -50,7 +50,7 @@ def _more_from_hf(hf: dict) -> dict:
     else:
         attention = bool(hf.get("attention_bias", False))
         biases = dict(qkv_bias=attention, out_bias=attention, mlp_bias=bool(hf.get("mlp_bias", False)))
-    theta, scaling = _rope_from_hf(hf)
+    theta, scaling = rope_from_hf(hf)
     return dict(rope_theta=theta, rope_scaling=scaling, **biases)
 
 

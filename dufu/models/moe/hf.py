@@ -26,7 +26,7 @@ import torch
 from dufu.errors import DufuError
 from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, UnsupportedHFValue
 from dufu.models.hub import register
-from dufu.models.llama.hf import _rope_from_hf
+from dufu.models.llama.hf import rope_from_hf
 from dufu.models.moe.model import MoEModel
 
 ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
@@ -72,7 +72,7 @@ def _more_from_hf(hf: Mapping) -> dict:
     kwargs = _mixtral_from_hf(hf) if mixtral else _qwen2_moe_from_hf(hf)
     if mixtral and "rope_theta" not in hf and "rope_theta" not in (hf.get("rope_parameters") or {}):
         hf = {**hf, "rope_theta": 1000000.0}  # transformers' MixtralConfig.default_theta (Qwen2-MoE's is 1e4)
-    theta, scaling = _rope_from_hf(hf)
+    theta, scaling = rope_from_hf(hf)
     return dict(kwargs, rope_theta=theta, rope_scaling=scaling, out_bias=False, mlp_bias=False)
 
 

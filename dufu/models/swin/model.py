@@ -27,7 +27,7 @@ from torch import nn
 from dufu.layers import MLP, Attention, HeadwiseEmbedding, LayerNorm, Linear
 from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
-from dufu.models.vit.model import PatchEmbedding, _pair, classification_loss
+from dufu.models.vit.model import PatchEmbedding, classification_loss, pair
 
 
 def relative_position_index(window: int, table_window: Optional[int] = None, device=None) -> torch.Tensor:
@@ -233,7 +233,7 @@ class SwinForImageClassification(InitByModule, nn.Module):
         depths, num_heads = list(depths), list(num_heads)
         if len(depths) != len(num_heads):
             raise ValueError(f"Swin: depths {depths} and num_heads {num_heads} must have one entry per stage")
-        self.image_size, self.patch_size = _pair(image_size), _pair(patch_size)
+        self.image_size, self.patch_size = pair(image_size), pair(patch_size)
         if self.image_size[0] % self.patch_size[0] or self.image_size[1] % self.patch_size[1]:
             raise ValueError(f"Swin: image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         for i, nh in enumerate(num_heads):

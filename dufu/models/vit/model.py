@@ -23,7 +23,7 @@ from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
 
 
-def _pair(x) -> tuple[int, int]:
+def pair(x) -> tuple[int, int]:
     return (x, x) if isinstance(x, int) else (int(x[0]), int(x[1]))
 
 
@@ -32,7 +32,7 @@ class PatchEmbedding(nn.Module):
 
     def __init__(self, image_size, patch_size, num_channels: int, hidden_size: int):
         super().__init__()
-        self.image_size, self.patch_size = _pair(image_size), _pair(patch_size)
+        self.image_size, self.patch_size = pair(image_size), pair(patch_size)
         self.grid_size = (self.image_size[0] // self.patch_size[0], self.image_size[1] // self.patch_size[1])
         self.num_patches = self.grid_size[0] * self.grid_size[1]
         self.proj = nn.Conv2d(num_channels, hidden_size, kernel_size=self.patch_size, stride=self.patch_size)
@@ -111,7 +111,7 @@ class ViTForImageClassification(InitByModule, nn.Module):
         super().__init__()
         if hidden_size % num_attention_heads != 0:
             raise ValueError(f"ViT: hidden_size {hidden_size} is not divisible by num_attention_heads {num_attention_heads}")
-        self.image_size, self.patch_size = _pair(image_size), _pair(patch_size)
+        self.image_size, self.patch_size = pair(image_size), pair(patch_size)
         if self.image_size[0] % self.patch_size[0] or self.image_size[1] % self.patch_size[1]:
             raise ValueError(f"ViT: image_size {self.image_size} is not a multiple of patch_size {self.patch_size}")
         self.num_channels = num_channels
