@@ -7,6 +7,10 @@
   generation), trained once per session; tests that change it work on a copy (``copy_run``).
 * ``run_cli``: ``python -m dufu ...`` in a subprocess, for the few tests where the exit code and
   stderr of a real process matter. Every test starts processes through tests/launch.py.
+* ``reference_run``: the single-process reference of a parity test (tests/parity.py), trained in this process
+  once per session for each config and overrides, whichever tests compare with it.
+* ``shared_runs``: a module's multi-process runs in shared launches (tests/parity.py's SharedRuns), limited to
+  the runs of the tests selected.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `import dufu_tes
 
 import launch  # noqa: E402
 from dufu_testing import DEBUG_RUN_OVERRIDES, Run, train  # noqa: E402
+from parity import PARITY_ARGS, SharedRuns, collect  # noqa: E402
 
 # The tiny models of these tests gain nothing from a second thread, and when other processes share
 # the machine, OpenMP's spinning threads slow every small kernel down many times over.
@@ -79,6 +84,54 @@ def run_cli(tmp_path):
         return launch.run(launch.dufu_command(*args), cwd=cwd or tmp_path, timeout=timeout)
 
     return run
+
+
+@pytest.fixture(scope="session")
+def reference_run(tmp_path_factory, dufu_cache_dir):
+    """``reference_run(config, *overrides, env=())`` -> the RunResult of ``dufu train CONFIG PARITY_ARGS
+    overrides`` on one process, trained in this process the first time a test asks for it (``env``: variables
+    set while it trains, e.g. a ``DUFU_FAULT``). Read-only: every test comparing with it shares it."""
+    cache = {}
+
+    def get(config: str = "gpt_debug", *overrides: str, env=()):
+        key = (str(config), *overrides, tuple(env))
+        if key not in cache:
+            out = tmp_path_factory.mktemp(f"reference_{Path(str(config)).stem}") / "run"
+            saved = {k: os.environ.get(k) for k, _ in env}
+            os.environ.update(dict(env))
+            try:
+                train(out, (*PARITY_ARGS, *overrides), recipe=str(config), fast=False)
+            finally:
+                for k, v in saved.items():
+                    if v is None:
+                        os.environ.pop(k, None)
+                    else:
+                        os.environ[k] = v
+            cache[key] = collect(out)
+        return cache[key]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def shared_runs(request, tmp_path_factory, dufu_cache_dir):
+    """``shared_runs(specs, uses=None)`` -> a SharedRuns (tests/parity.py) of ``specs`` ({name: Spec}) for this
+    module, launching only the runs its selected tests need. A test needs the run named by its ``layout``
+    parameter, unless ``uses`` maps its function's name to a run name, a tuple of them, or a function of its
+    parameters (``item.callspec.params``) returning either."""
+
+    def make(specs: dict, uses=None) -> SharedRuns:
+        wanted = set()
+        for item in request.session.items:
+            if getattr(item, "module", None) is not request.module:
+                continue
+            params = item.callspec.params if hasattr(item, "callspec") else {}
+            used = (uses or {}).get(getattr(item, "originalname", item.name), params.get("layout"))
+            used = used(params) if callable(used) else used
+            wanted.update([used] if isinstance(used, str) else used or ())
+        return SharedRuns(tmp_path_factory.mktemp(f"shared_{request.module.__name__}"), specs, wanted)
+
+    return make
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -14,6 +14,9 @@ Every process started through :func:`run` or :func:`start`
   failure that repeats is reported as it is. Directories the run writes (``output_dir``, ``scratch``) are
   emptied before the retry; a run into an ``output_dir`` that existed before it (a resume) is not retried, since
   its starting state is gone.
+
+:func:`run_in_turn` runs several items (training runs, a worker's cases) one after another in one job, so that
+they share one start-up, while each still passes or fails on its own; :func:`in_turn` is the workers' side.
 """
 
 from __future__ import annotations
@@ -184,6 +187,71 @@ def _died_by_signal(proc: Proc) -> bool:
         return True
     return any(f"exitcode: -{int(sig)}" in proc.stderr for sig in (signal.SIGSEGV, signal.SIGABRT)) \
         or "terminate called" in proc.stderr
+
+
+def run_in_turn(names: Sequence[str], command, root, *, timeout: float, timeout_each: float = 300,
+                needs: Optional[dict] = None, **kwargs) -> dict:
+    """Run the items ``names`` one after another in one job: ``command(job, names)`` is the job's command line,
+    a worker that runs the items in order, marks each one done in ``job/.done/NAME`` (rank 0, after every rank
+    finished it) and ends at the first failure. A failed item is reported with the job's output (and what the
+    worker wrote to ``job/.failed/NAME.*``); the items after it run again, in a new job, so each passes or fails
+    on its own, except those that ``needs`` ({name: an earlier item}) says start from a failed one.
+    ``root``: where the jobs go (``root/job1``, ``root/job2`` ...); ``timeout``: for a job of one item, plus
+    ``timeout_each`` for every other; ``kwargs``: :func:`run`'s.
+
+    Returns {name: (its job's directory, None) if done, (None, failure text) if not}."""
+    root, names, needs = Path(root), list(names), needs or {}
+    outcomes: dict = {}
+    while names:
+        k = 1
+        while (root / f"job{k}").exists() or (root / f"job{k}.json").exists():
+            k += 1
+        job = root / f"job{k}"
+        proc = run(command(job, names), output_dir=job, timeout=timeout + timeout_each * (len(names) - 1), **kwargs)
+        done = [n for n in names if (job / ".done" / n).exists()]
+        outcomes.update((n, (job, None)) for n in done)
+        left = [n for n in names if n not in done]
+        if not left and proc.returncode != 0:  # every item finished, the job did not end cleanly
+            left = [done[-1]]
+        if not left:
+            break
+        failed, names = left[0], left[1:]
+        written = "".join(f"\n{f.name}:\n{f.read_text()}" for f in sorted((job / ".failed").glob(f"{failed}.*")))
+        outcomes[failed] = (None, f"{failed} failed in a job running {', '.join([*done, *left])} in turn:\n"
+                                  f"{proc.describe()}{written}")
+        for n in list(names):
+            if needs.get(n) in outcomes and outcomes[needs[n]][1] is not None:
+                outcomes[n] = (None, f"{n} starts from {needs[n]}, which failed:\n{outcomes[needs[n]][1]}")
+                names.remove(n)
+    return outcomes
+
+
+def in_turn(job, items: Sequence[str], run_one) -> None:
+    """A worker's side of :func:`run_in_turn`, in every process of a job (a process group started or not):
+    ``run_one(item)`` for each item in order; when every rank has finished one, rank 0 marks it done in
+    ``job/.done/ITEM``. At the first failure the rank writes its traceback to ``job/.failed/ITEM.rank<R>`` and
+    ends its process with exit code 1 (its peers may wait in a collective: torchrun stops them)."""
+    import traceback
+
+    import torch.distributed as dist
+
+    job = Path(job)
+    for item in items:
+        try:
+            run_one(item)
+        except BaseException:  # noqa: BLE001 - reported as the item's failure, then this process ends
+            failed = job / ".failed"
+            failed.mkdir(parents=True, exist_ok=True)
+            (failed / f"{item}.rank{os.environ.get('RANK', '0')}").write_text(traceback.format_exc())
+            traceback.print_exc()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        if os.environ.get("RANK", "0") == "0":
+            (job / ".done").mkdir(parents=True, exist_ok=True)
+            (job / ".done" / item).touch()
 
 
 _LIVE: set = set()  # (Popen, output_dir) of the processes in progress

@@ -8,12 +8,18 @@ Tolerances (derived in :func:`assert_weights_match` and at ``PRECISIONS``):
 * training and evaluation losses: 1e-5 relative in fp32 (layouts sum in different orders: ~1e-6 seen);
 * weights after AdamW steps: an elementwise bound from the size of an AdamW update, not a fixed atol;
 * classification accuracy: at most one evaluation sample different (a near-tie of its top two logits).
+
+Where the runs come from: the single-process reference of a config and overrides is trained once per session,
+in the test process, by the fixture ``reference_run`` (tests/conftest.py), whichever tests compare with it; a
+test module's multi-process runs go through :class:`SharedRuns` (fixture ``shared_runs``), which trains all runs
+of one world size in one torchrun job.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -157,6 +163,93 @@ def parity_run(output_dir, nproc: int, *overrides: str, config: str = "gpt_debug
                       output_dir=output_dir, env=env, timeout=timeout)
     launch.assert_ok(proc)
     return collect(output_dir, weights=weights)
+
+
+# ------------------------------------------------------------------------------------------ shared launches
+
+WORKER = Path(__file__).with_name("parity_worker.py")
+
+
+@dataclass(frozen=True)
+class Spec:
+    """One run of :class:`SharedRuns`: ``dufu train CONFIG BASE OVERRIDES`` in ``nproc`` processes, with ``env``
+    (``((name, value), ...)``, e.g. a ``DUFU_FAULT``) set in its workers while it runs. ``resume_of``: the name
+    of an earlier run of the same world size; this run starts from a copy of its output directory, with
+    ``--resume``."""
+
+    nproc: int
+    overrides: tuple = ()
+    config: str = "gpt_debug"
+    env: tuple = ()
+    base: tuple = PARITY_ARGS
+    resume_of: Optional[str] = None
+
+
+class SharedRuns:
+    """Runs that share their processes: the runs of one world size train one after another in the same torchrun
+    workers (tests/parity_worker.py), each through ``dufu.cli.main(["train", ...])`` exactly as the workers of
+    ``dufu train --nproc N`` run it, into an output directory of its own. A job then pays torchrun's start-up,
+    the imports and the first run's warm-up once instead of once per run: on 2 CPU cores those cost ~10 s per
+    launch, while a parity run's own work is under a second.
+
+    ``result(name)`` waits for a run's :class:`RunResult` (the first call launches every ``wanted`` run of the
+    same world size not run yet). When a run fails its workers stop; its test fails with the job's output and
+    the failing rank's traceback, and the runs after it are launched again without it, so each run still
+    passes or fails on its own.
+    """
+
+    def __init__(self, root, specs: dict, wanted=None, timeout: float = 600):
+        self.root, self.specs, self.timeout = Path(root), dict(specs), timeout
+        for n, spec in self.specs.items():
+            source = spec.resume_of
+            assert source is None or (list(self.specs).index(source) < list(self.specs).index(n)
+                                      and self.specs[source].nproc == spec.nproc), \
+                f"{n} resumes {source}: declare a run of the same world size before the runs resuming it"
+        self.wanted = [n for n in self.specs if wanted is None or n in set(wanted)]
+        self.outcomes: dict[str, tuple] = {}  # name -> (output_dir, None) or (None, failure text)
+
+    def result(self, name: str, weights: bool = True) -> RunResult:
+        if name not in self.outcomes:
+            needed = {name, *self.wanted}
+            for n in reversed(self.specs):  # and the runs they resume from (declared before them)
+                if n in needed and self.specs[n].resume_of:
+                    needed.add(self.specs[n].resume_of)
+            nproc = self.specs[name].nproc
+            self._launch([n for n in self.specs if n in needed and n not in self.outcomes and self.specs[n].nproc == nproc])
+        output_dir, failure = self.outcomes[name]
+        assert failure is None, failure
+        return collect(output_dir, weights=weights)
+
+    def output_dir(self, name: str) -> Path:
+        self.result(name, weights=False)
+        return self.outcomes[name][0]
+
+    def _launch(self, names: list) -> None:
+        nproc = self.specs[names[0]].nproc
+
+        def command(job: Path, names: list) -> list:
+            plan = [{"name": n, "output_dir": str(job / n), "config": str(self.specs[n].config),
+                     "args": [*self.specs[n].base, *self.specs[n].overrides], "env": dict(self.specs[n].env),
+                     "resume_of": self._source_dir(n, job)} for n in names]
+            plan_file = job.with_name(f"{job.name}.json")
+            plan_file.write_text(json.dumps(plan, indent=1))
+            # train.output_dir=JOB on the workers' command line lets launch.py find and end them.
+            args = (plan_file, f"train.output_dir={job}")
+            return launch.torchrun_command(WORKER, nproc, *args) if nproc > 1 else [sys.executable, WORKER, *args]
+
+        self.root.mkdir(parents=True, exist_ok=True)
+        outcomes = launch.run_in_turn(names, command, self.root, timeout=self.timeout,
+                                      needs={n: self.specs[n].resume_of for n in names if self.specs[n].resume_of})
+        for n, (job, failure) in outcomes.items():
+            self.outcomes[n] = (job / n if job is not None else None, failure)
+
+    def _source_dir(self, name: str, job: Path) -> Optional[str]:
+        """The output directory of the run ``name`` resumes: from an earlier job, or run before it in ``job``."""
+        source = self.specs[name].resume_of
+        if source is None:
+            return None
+        earlier = [d for d in sorted(self.root.glob("job*")) if (d / ".done" / source).exists()]
+        return str((earlier[0] if earlier else job) / source)
 
 
 # ------------------------------------------------------------------------------------------ comparisons

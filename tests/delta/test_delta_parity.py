@@ -11,12 +11,13 @@ Each kind in the layouts of GRID. Losses within 1e-5 of the single-process run a
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 
 import launch
-from parity import PARITY_ARGS, assert_matches_reference, parity_run
+from parity import PARITY_ARGS, Spec, assert_matches_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -41,15 +42,12 @@ LAYOUTS = {
 
 
 @pytest.fixture(scope="module")
-def references(tmp_path_factory):
-    """The single-process run of each delta, made once."""
-    made = {}
+def references(reference_run):
+    """The single-process run of each delta, made once (in this process)."""
 
     def get(kind: str):
-        if kind not in made:
-            config, overrides = DELTAS[kind]
-            made[kind] = parity_run(tmp_path_factory.mktemp(f"ref-{kind}"), 1, *overrides, config=config)
-        return made[kind]
+        config, overrides = DELTAS[kind]
+        return reference_run(config, *overrides)
 
     return get
 
@@ -63,12 +61,39 @@ GRID = [("lora", layout) for layout in LAYOUTS] + [
     ("adapter", "dp2-zero3"), ("prefix", "tp2"), ("prefix", "pp2"), ("prompt", "tp2-sp"), ("prompt", "pp2")]
 
 
+def lora(nproc: int, *layout: str) -> Spec:
+    config, overrides = LORA
+    return Spec(nproc, (*overrides, *layout), config=config)
+
+
+# Every run of this module, launched together by world size (tests/parity.py's SharedRuns).
+RUNS = {
+    **{f"{kind}-{layout}": Spec(LAYOUTS[layout][0], (*DELTAS[kind][1], *LAYOUTS[layout][1]), config=DELTAS[kind][0])
+       for kind, layout in GRID},
+    "lora-tp2-stopped-at-3": lora(2, TP2, "train.stop_at_iter=3", "train.checkpointer.period=3"),
+    "lora-resumed-at-pp2": Spec(2, (*LORA[1], PP2, "train.checkpointer.period=3"), config=LORA[0],
+                                resume_of="lora-tp2-stopped-at-3"),
+    "lora-dp2xtp2xpp2-zero3": lora(8, DP2, TP2, PP2, *ZERO3),
+    **{f"lora-dp2-zero{stage}": lora(2, DP2, "train.zero_optimization.enabled=True",
+                                     f"train.zero_optimization.stage={stage}") for stage in (1, 2)},
+}
+USES = {
+    "test_delta_matches_single_process": lambda p: f"{p['kind']}-{p['layout']}",
+    "test_lora_checkpoint_holds_only_the_delta_and_resumes_in_another_layout": "lora-resumed-at-pp2",
+    "test_lora_in_three_dimensions_with_zero3_matches_single_process": "lora-dp2xtp2xpp2-zero3",
+    "test_lora_under_zero_1_and_2_matches_single_process": lambda p: f"lora-dp2-zero{p['stage']}",
+}
+
+
+@pytest.fixture(scope="module")
+def delta_runs(shared_runs):
+    return shared_runs(RUNS, uses=USES)
+
+
 @pytest.mark.parametrize("kind,layout", GRID, ids=[f"{k}-{lay}" for k, lay in GRID])
-def test_delta_matches_single_process(kind, layout, references, tmp_path):
-    config, overrides = DELTAS[kind]
-    nproc, layout_overrides = LAYOUTS[layout]
+def test_delta_matches_single_process(kind, layout, references, delta_runs):
     reference = references(kind)
-    got = parity_run(tmp_path / layout, nproc, *overrides, *layout_overrides, config=config)
+    got = delta_runs.result(f"{kind}-{layout}")
     assert got.state and set(got.state) == set(reference.state)
     assert_matches_reference(got, reference, f"{kind} {layout}")
 
@@ -79,7 +104,7 @@ def _checkpoint_keys(ckpt: Path) -> set[str]:
     return set(dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata)
 
 
-def test_lora_checkpoint_holds_only_the_delta_and_resumes_in_another_layout(references, tmp_path):
+def test_lora_checkpoint_holds_only_the_delta_and_resumes_in_another_layout(references, delta_runs, tmp_path):
     config, overrides = LORA
     reference = references("lora")
     # the reference's checkpoint: the factors, their AdamW moments, nothing of the frozen base
@@ -92,12 +117,7 @@ def test_lora_checkpoint_holds_only_the_delta_and_resumes_in_another_layout(refe
 
     # stop at step 3 under tp2, resume to step 5 under dp2 x pp2... here dp2 (2 processes): the same losses
     out = tmp_path / "resumed"
-    first = launch.run(launch.train_command(config, out, 2, *PARITY_ARGS, *overrides, TP2, "train.stop_at_iter=3",
-                                            "train.checkpointer.period=3"), output_dir=out)
-    launch.assert_ok(first)
-    second = launch.run(launch.train_command(config, out, 2, *PARITY_ARGS, *overrides, PP2,
-                                             "train.checkpointer.period=3", "--resume"), output_dir=out)
-    launch.assert_ok(second)
+    shutil.copytree(delta_runs.output_dir("lora-resumed-at-pp2"), out)  # stopped under tp2, resumed under pp2
     assert_matches_reference(out, reference, "lora saved at tp2, resumed at pp2")
 
     # a delta belongs to its base: another seed is another base, and the resume says so
@@ -108,15 +128,12 @@ def test_lora_checkpoint_holds_only_the_delta_and_resumes_in_another_layout(refe
     assert "holds a delta trained on another base" in " ".join((other.stdout + other.stderr).split())
 
 
-def test_lora_in_three_dimensions_with_zero3_matches_single_process(references, tmp_path):
-    config, overrides = LORA
-    got = parity_run(tmp_path / "3d", 8, *overrides, DP2, TP2, PP2, *ZERO3, config=config)
+def test_lora_in_three_dimensions_with_zero3_matches_single_process(references, delta_runs):
+    got = delta_runs.result("lora-dp2xtp2xpp2-zero3")
     assert_matches_reference(got, references("lora"), "lora dp2 x tp2 x pp2, ZeRO-3")
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_lora_under_zero_1_and_2_matches_single_process(stage, references, tmp_path):
-    config, overrides = LORA
-    got = parity_run(tmp_path / f"zero{stage}", 2, *overrides, DP2, "train.zero_optimization.enabled=True",
-                     f"train.zero_optimization.stage={stage}", config=config)
+def test_lora_under_zero_1_and_2_matches_single_process(stage, references, delta_runs):
+    got = delta_runs.result(f"lora-dp2-zero{stage}")
     assert_matches_reference(got, references("lora"), f"lora dp2 ZeRO-{stage}")

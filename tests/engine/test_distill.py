@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import launch
 from dufu.engine.distill import Distillation, kd_loss
 from dufu.errors import ConfigError
 from dufu_testing import FAST, load_config, train, train_config, train_losses
@@ -60,21 +59,34 @@ def test_the_hard_part_is_the_models_loss_and_a_perfect_student_has_no_soft_loss
     assert 0 < mixed.losses[1] < plain.losses[1]  # half of a cross entropy plus a (smaller) KL
 
 
+LAYOUTS = {
+    "tp2-sp": ("train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"),
+    "dp2-zero3": ("train.dist.data_parallel_size=2", "train.zero_optimization.enabled=True",
+                  "train.zero_optimization.stage=3"),
+    "pp2": ("train.dist.pipeline_parallel_size=2", "model.num_layers=2", "train.train_micro_batch_size=2"),
+}
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(debug_run, shared_runs):
+    """Each layout's 2-process run, all in one launch (tests/parity.py's SharedRuns)."""
+    from parity import Spec
+
+    args = (f"distill.teacher={debug_run.output_dir}", "train.train_iter=3", "train.log_period=1",
+            "train.global_batch_size=8")
+    return shared_runs({name: Spec(2, (*args, *layout), config=STUDENT, base=()) for name, layout in LAYOUTS.items()},
+                       uses={"test_distillation_in_two_processes_equals_one": lambda p: p["name"]})
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("layout", [
-    ("train.dist.tensor_parallel_size=2", "train.dist.sequence_parallel=True"),
-    ("train.dist.data_parallel_size=2", "train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"),
-    ("train.dist.pipeline_parallel_size=2", "model.num_layers=2", "train.train_micro_batch_size=2"),
-], ids=["tp2-sp", "dp2-zero3", "pp2"])
-def test_distillation_in_two_processes_equals_one(debug_run, tmp_path, layout):
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_distillation_in_two_processes_equals_one(debug_run, tmp_path, name, two_process_runs):
     """Under pipelining the teacher runs its own forward-only schedule and its logits reach the student's last
     stage inside the target (4 micro-batches of 2 here)."""
+    layout = LAYOUTS[name]
     same_model = [o for o in layout if o.startswith(("model.", "train.train_micro"))]
     one = _student(debug_run, tmp_path, "one", *same_model)
-    out = tmp_path / "two"
-    cmd = launch.train_command(STUDENT, out, 2, f"distill.teacher={debug_run.output_dir}", "train.train_iter=3",
-                               "train.log_period=1", "train.global_batch_size=8", *layout)
-    launch.assert_ok(launch.run(cmd, output_dir=out, timeout=300))
+    out = two_process_runs.output_dir(name)
     assert train_losses(out) == pytest.approx(one.losses, abs=1e-5)
 
 

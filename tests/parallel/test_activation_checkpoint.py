@@ -3,9 +3,11 @@ no checkpointing, keep measurably less for backward (full < selective < none), l
 one process under tensor parallelism and ZeRO-3 on 2 processes.
 
 The multi-process check runs this file as a torchrun worker (``python -m torch.distributed.run ... THIS_FILE
-OUT LAYOUT MODE [compile]``): each rank builds the tiny GPT twice from one seed, checkpoints one copy (and
-compiles it: test_compile.py) and parallelizes it with ``dufu.parallel.parallelize`` (checkpointing first: it
-wraps the block's own forward, so tensor parallelism's hooks on the block's submodules run inside the
+train.output_dir=JOB CASE [CASE ...]``, a CASE being ``LAYOUT:MODE`` or ``LAYOUT:MODE:compile``; the cases of
+every selected test run in turn in one job, launched by the fixture ``selective_checkpointing_runs`` of
+tests/parallel/conftest.py): for each case, each rank builds the tiny GPT twice from one seed, checkpoints one
+copy (and compiles it: test_compile.py) and parallelizes it with ``dufu.parallel.parallelize`` (checkpointing
+first: it wraps the block's own forward, so tensor parallelism's hooks on the block's submodules run inside the
 checkpointed region, as in the trainer's order), and compares loss and gradients with the other copy run on the
 whole batch in one process.
 """
@@ -168,14 +170,10 @@ def test_bad_input_is_a_clear_error():
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["tp2", "dp2-zero3"])
-def test_selective_matches_one_process_on_two_ranks(layout, tmp_path):
-    import launch
-
-    proc = launch.run(launch.torchrun_command(Path(__file__), 2, tmp_path, layout, "selective"),
-                      output_dir=tmp_path, timeout=300)
-    launch.assert_ok(proc)
+def test_selective_matches_one_process_on_two_ranks(layout, selective_checkpointing_runs):
+    out = selective_checkpointing_runs(f"{layout}:selective")
     for rank in (0, 1):
-        err = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        err = json.loads((out / f"rank_{rank}.json").read_text())
         assert err["checkpointed_blocks"] == SIZES["num_layers"], err
         assert err["loss"] < 1e-5 and err["grad_mismatch"] == [], err
 
@@ -187,6 +185,7 @@ def _full(t):
 
 
 def worker(out: Path, layout: str, mode: str, compiled: bool = False) -> None:
+    """One case, in the started process group: each rank writes ``out/rank_R.json``."""
     import contextlib
 
     import torch.distributed as dist
@@ -196,8 +195,6 @@ def worker(out: Path, layout: str, mode: str, compiled: bool = False) -> None:
     from dufu.parallel.activation_checkpoint import apply_activation_checkpointing, checkpoint_mode
     from dufu.parallel.parallelize import parallelize
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
     rank = dist.get_rank()
     dp, tp = {"tp2": (1, 2), "dp2-zero3": (2, 1)}[layout]
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("data", "tensor"))
@@ -229,10 +226,29 @@ def worker(out: Path, layout: str, mode: str, compiled: bool = False) -> None:
            "max_grad_diff": max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters()),
            "checkpointed_blocks": sum(checkpoint_mode(b) == mode for b in model.blocks.values())}
     Path(out, f"rank_{rank}.json").write_text(json.dumps(err))
+
+
+def main(job: Path, cases: list[str]) -> None:
+    """The cases in turn (see the module docstring), each writing ``job/CASE/rank_R.json``, through
+    tests/launch.py's in_turn."""
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for launch.py
+    from launch import in_turn
     from dufu.parallel.launch import finish_distributed
 
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+
+    def check(case: str) -> None:
+        layout, mode, *compiled = case.split(":")
+        out = job / case
+        out.mkdir(parents=True, exist_ok=True)
+        worker(out, layout, mode, compiled=compiled == ["compile"])
+
+    in_turn(job, cases, check)
     finish_distributed()  # not destroy_process_group: its gloo teardown can abort a finished rank
 
 
 if __name__ == "__main__":
-    worker(Path(sys.argv[1]), sys.argv[2], sys.argv[3], compiled=sys.argv[4:] == ["compile"])
+    main(Path(sys.argv[1].split("=", 1)[1]), sys.argv[2:])

@@ -13,7 +13,7 @@ import math
 import pytest
 
 import launch
-from parity import EVAL_ARGS, PARITY_ARGS, assert_matches_reference, collect
+from parity import EVAL_ARGS, PARITY_ARGS, Spec, assert_matches_reference, collect
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,18 +78,27 @@ def test_reference_reports_each_dataset(reference):
     assert "weight 0.7:" in text and "weight 0.3:" in text and "epochs in 5 steps" in text
 
 
+@pytest.fixture(scope="module")
+def layout_runs(blend_config, shared_runs):
+    """The 2-process runs of this module in one launch (tests/parity.py's SharedRuns); "resumed" starts from a copy
+    of "stopped"."""
+    runs = {
+        "dp2": Spec(2, (*EVAL_ARGS, DP2), config=blend_config),
+        "pp2": Spec(2, (*EVAL_ARGS, PP2), config=blend_config),
+        "stopped": Spec(2, (*EVAL_ARGS, DP2, "train.stop_at_iter=3", "train.checkpointer.period=3"), config=blend_config),
+        "resumed": Spec(2, (*EVAL_ARGS, PP2, "train.checkpointer.period=3"), config=blend_config, resume_of="stopped"),
+    }
+    return shared_runs(runs, uses={"test_blend_resumes_exactly_after_a_stop": "resumed"})
+
+
 @pytest.mark.parametrize("layout", ["dp2", "pp2"])
-def test_blend_layout_matches_single_process(layout, blend_config, reference, tmp_path):
-    run(blend_config, tmp_path / layout, 2, DP2 if layout == "dp2" else PP2)
-    got, ref = collect(tmp_path / layout), reference[0]
+def test_blend_layout_matches_single_process(layout, blend_config, reference, layout_runs):
+    got, ref = layout_runs.result(layout), reference[0]
     assert_matches_reference(got, ref, f"blend {layout}")
     assert_per_dataset_evaluations(got, ref, f"blend {layout}")
 
 
-def test_blend_resumes_exactly_after_a_stop(blend_config, reference, tmp_path):
-    out = tmp_path / "resumed"
-    run(blend_config, out, 2, DP2, "train.stop_at_iter=3", "train.checkpointer.period=3")
-    run(blend_config, out, 2, PP2, "train.checkpointer.period=3", resume=True)
-    got, ref = collect(out), reference[0]
+def test_blend_resumes_exactly_after_a_stop(blend_config, reference, layout_runs):
+    got, ref = layout_runs.result("resumed"), reference[0]
     assert_matches_reference(got, ref, "blend stopped at step 3 in dp2, resumed in pp2")
     assert_per_dataset_evaluations(got, ref, "blend resumed")

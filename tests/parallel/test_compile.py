@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import copy
 import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -165,26 +164,30 @@ COMPILED_LAYOUTS = {
 }
 
 
+@pytest.fixture(scope="module")
+def compiled_runs(shared_runs):
+    """The compiled layouts' runs in one launch (tests/parity.py's SharedRuns)."""
+    from parity import EVAL_ARGS, Spec
+
+    return shared_runs({layout: Spec(2, ("model.num_layers=2", *EVAL_ARGS, COMPILE, *overrides))
+                        for layout, overrides in COMPILED_LAYOUTS.items()})
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(COMPILED_LAYOUTS))
-def test_compiled_layout_matches_single_process(layout, parity_reference, tmp_path):
-    from parity import EVAL_ARGS, assert_matches_reference, parity_run
+def test_compiled_layout_matches_single_process(layout, parity_reference, compiled_runs):
+    from parity import EVAL_ARGS, assert_matches_reference
 
     reference = parity_reference(2, *EVAL_ARGS)  # eager, one process
-    got = parity_run(tmp_path / layout, 2, "model.num_layers=2", *EVAL_ARGS, COMPILE, *COMPILED_LAYOUTS[layout])
+    got = compiled_runs.result(layout)
     assert_matches_reference(got, reference, f"compiled {layout}")
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", ["tp2", "dp2-zero3"])
-def test_compiled_selective_checkpointing_matches_one_process(layout, tmp_path):
-    import launch
-
-    worker = Path(__file__).with_name("test_activation_checkpoint.py")
-    proc = launch.run(launch.torchrun_command(worker, 2, tmp_path, layout, "selective", "compile"),
-                      output_dir=tmp_path, timeout=600)
-    launch.assert_ok(proc)
+def test_compiled_selective_checkpointing_matches_one_process(layout, selective_checkpointing_runs):
+    out = selective_checkpointing_runs(f"{layout}:selective:compile")  # test_activation_checkpoint.py's worker
     for rank in (0, 1):
-        err = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        err = json.loads((out / f"rank_{rank}.json").read_text())
         assert err["checkpointed_blocks"] == SIZES["num_layers"], err
         assert err["loss"] < 1e-5 and err["grad_mismatch"] == [], err

@@ -14,7 +14,8 @@ import shutil
 import pytest
 
 import launch
-from parity import EVAL_ARGS, assert_losses_match, assert_matches_reference, parity_run, train_records
+from dufu.cli import main as cli_main
+from parity import EVAL_ARGS, Spec, assert_losses_match, assert_matches_reference, train_records
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,30 +41,46 @@ LAYOUTS = {
 }
 
 
+# Every run of this module, launched together by world size (tests/parity.py's SharedRuns).
+RUNS = {
+    **{layout: Spec(nproc, tuple(overrides), config=recipe) for layout, (recipe, nproc, overrides) in LAYOUTS.items()},
+    "gpt-cp2": Spec(2, (CP2, "model.num_layers=2", *EVAL_ARGS)),
+    "llama-cp2-stopped-at-3": Spec(2, (CP2, "train.stop_at_iter=3", "train.checkpointer.period=3"), config="llama_debug"),
+}
+USES = {"test_gpt_debug_at_cp2_gives_the_losses_of_one_process": "gpt-cp2",
+        "test_a_cp2_checkpoint_resumes_at_cp4_and_on_one_process": "llama-cp2-stopped-at-3"}
+
+
+@pytest.fixture(scope="module")
+def cp_runs(shared_runs):
+    return shared_runs(RUNS, uses=USES)
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_context_parallel_layout_matches_single_process(layout, recipe_reference, tmp_path):
-    recipe, nproc, overrides = LAYOUTS[layout]
-    got = parity_run(tmp_path / layout, nproc, *overrides, config=recipe)
+def test_context_parallel_layout_matches_single_process(layout, recipe_reference, cp_runs):
+    recipe = LAYOUTS[layout][0]
+    got = cp_runs.result(layout)
     assert_matches_reference(got, recipe_reference(recipe), layout)
 
 
-def test_gpt_debug_at_cp2_gives_the_losses_of_one_process(parity_reference, tmp_path):
+def test_gpt_debug_at_cp2_gives_the_losses_of_one_process(parity_reference, cp_runs):
     """``dufu train gpt_debug --nproc 2 train.dist.context_parallel_size=2`` (learned absolute positions), with
     validation before and after training (evaluation splits its batches the same way)."""
-    got = parity_run(tmp_path / "cp2", 2, CP2, "model.num_layers=2", *EVAL_ARGS)
+    got = cp_runs.result("gpt-cp2")
     assert_matches_reference(got, parity_reference(2, *EVAL_ARGS), "gpt_debug cp2")
 
 
-def test_a_cp2_checkpoint_resumes_at_cp4_and_on_one_process(recipe_reference, tmp_path):
+def test_a_cp2_checkpoint_resumes_at_cp4_and_on_one_process(recipe_reference, cp_runs, tmp_path):
     reference = recipe_reference("llama_debug")
-    first = tmp_path / "cp2"
-    parity_run(first, 2, CP2, "train.stop_at_iter=3", "train.checkpointer.period=3", config="llama_debug",
-               weights=False)
+    first = cp_runs.output_dir("llama-cp2-stopped-at-3")
     expected = {s: r["loss"] for s, r in train_records(reference.output_dir).items()}
     for name, nproc, cp in [("cp4", 4, CP4), ("one", 1, "train.dist.context_parallel_size=1")]:
         out = tmp_path / name
         shutil.copytree(first, out)
-        proc = launch.run(launch.train_command(out / "config.yaml", out, nproc, cp, resume=True),
-                          output_dir=out, timeout=600)
-        launch.assert_ok(proc)
+        if nproc == 1:  # in this process, as `dufu train` runs one
+            assert cli_main(["train", str(out / "config.yaml"), "--resume", f"train.output_dir={out}", cp]) == 0
+        else:
+            proc = launch.run(launch.train_command(out / "config.yaml", out, nproc, cp, resume=True),
+                              output_dir=out, timeout=600)
+            launch.assert_ok(proc)
         assert_losses_match(out, expected, steps=[4, 5])

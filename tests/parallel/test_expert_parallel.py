@@ -22,8 +22,8 @@ import shutil
 import pytest
 
 import launch
-from dufu_testing import train
-from parity import PARITY_ARGS, assert_matches_reference, collect, parity_run
+from dufu.cli import main as cli_main
+from parity import PARITY_ARGS, Spec, assert_matches_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,38 +40,48 @@ LAYOUTS = {
 }
 
 
+BF16 = ("train.amp.enabled=True", "train.amp.dtype=bf16")
+# Every run of this module, launched together by world size (tests/parity.py's SharedRuns).
+RUNS = {
+    **{layout: Spec(nproc, tuple(overrides), config="moe_debug") for layout, (nproc, overrides) in LAYOUTS.items()},
+    "dp2-ep2-bf16": Spec(2, (DP2, EP2, *BF16), config="moe_debug"),
+    "dp2-ep2-stopped-at-3": Spec(2, (DP2, EP2, "train.stop_at_iter=3", "train.checkpointer.period=3"),
+                                 config="moe_debug"),
+}
+USES = {"test_expert_parallelism_in_bf16_matches_single_process_in_bf16": "dp2-ep2-bf16",
+        "test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_in_one_process": "dp2-ep2-stopped-at-3"}
+
+
 @pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory, dufu_cache_dir):
-    out = tmp_path_factory.mktemp("moe_reference") / "run"
-    train(out, PARITY_ARGS, recipe="moe_debug")  # one process, in this one
-    return collect(out)
+def moe_runs(shared_runs):
+    return shared_runs(RUNS, uses=USES)
+
+
+@pytest.fixture(scope="module")
+def moe_reference(reference_run):
+    return reference_run("moe_debug")  # one process, in this one
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_expert_parallel_layout_matches_single_process(layout, moe_reference, tmp_path):
-    nproc, overrides = LAYOUTS[layout]
-    got = parity_run(tmp_path / layout, nproc, *overrides, config="moe_debug")
+def test_expert_parallel_layout_matches_single_process(layout, moe_reference, moe_runs):
+    got = moe_runs.result(layout)
     assert_matches_reference(got, moe_reference, f"moe_debug {layout}")
     # the load-balance record sums every rank's tokens: 8 samples x 32 tokens x top-2 per layer and step
-    tokens = [json.loads(line) for line in (tmp_path / layout / "moe_tokens.jsonl").read_text().splitlines()]
+    tokens = [json.loads(line) for line in (got.output_dir / "moe_tokens.jsonl").read_text().splitlines()]
     assert [sum(sum(c) for c in r["tokens_per_expert"].values()) for r in tokens] == [2 * 256 * 2] * 5
     ref = [json.loads(line) for line in (moe_reference.output_dir / "moe_tokens.jsonl").read_text().splitlines()]
     assert tokens == ref
 
 
-def test_expert_parallelism_in_bf16_matches_single_process_in_bf16(tmp_path):
-    bf16 = ("train.amp.enabled=True", "train.amp.dtype=bf16")
-    reference = tmp_path / "reference"
-    train(reference, (*PARITY_ARGS, *bf16), recipe="moe_debug")
-    got = parity_run(tmp_path / "dp2-ep2", 2, DP2, EP2, *bf16, config="moe_debug")
-    assert_matches_reference(got, collect(reference), "moe_debug dp2 ep2 bf16", precision="bf16")
+def test_expert_parallelism_in_bf16_matches_single_process_in_bf16(reference_run, moe_runs):
+    reference = reference_run("moe_debug", *BF16)
+    got = moe_runs.result("dp2-ep2-bf16")
+    assert_matches_reference(got, reference, "moe_debug dp2 ep2 bf16", precision="bf16")
 
 
-def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_in_one_process(moe_reference, tmp_path):
+def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_in_one_process(moe_reference, moe_runs, tmp_path):
     base = tmp_path / "ep2"
-    first = launch.run(launch.train_command("moe_debug", base, 2, *PARITY_ARGS, DP2, EP2, "train.stop_at_iter=3",
-                                            "train.checkpointer.period=3"), output_dir=base)
-    launch.assert_ok(first)
+    shutil.copytree(moe_runs.output_dir("dp2-ep2-stopped-at-3"), base)
     one = tmp_path / "one_process"
     shutil.copytree(base, one)
     resumed = launch.run(launch.train_command("moe_debug", base, 4, *PARITY_ARGS, DP4, EP4,
@@ -81,9 +91,9 @@ def test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_in_one_process(moe_referen
     assert_matches_reference(base, moe_reference, "moe_debug saved at dp2 ep2, resumed at dp4 ep4")
     tokens = [json.loads(line) for line in (base / "moe_tokens.jsonl").read_text().splitlines()]
     assert [r["step"] for r in tokens] == [1, 2, 3, 4, 5]  # one record per step, none twice after the resume
-    single = launch.run(launch.train_command("moe_debug", one, 1, *PARITY_ARGS, "train.checkpointer.period=3",
-                                             resume=True), output_dir=one)
-    launch.assert_ok(single)
+    # in this process, as `dufu train` runs one
+    assert cli_main(["train", "moe_debug", "--resume", f"train.output_dir={one}", *PARITY_ARGS,
+                     "train.checkpointer.period=3"]) == 0
     assert_matches_reference(one, moe_reference, "moe_debug saved at dp2 ep2, resumed in one process")
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity import EVAL_ARGS, assert_matches_reference, parity_run
+from parity import EVAL_ARGS, Spec, assert_matches_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -43,10 +43,10 @@ LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(layout, parity_reference, tmp_path):
-    nproc, layers, overrides = LAYOUTS[layout]
+def test_layout_matches_single_process(layout, parity_reference, layout_runs):
+    layers = LAYOUTS[layout][1]
     reference = parity_reference(layers, *EVAL_ARGS)
-    got = parity_run(tmp_path / layout, nproc, f"model.num_layers={layers}", *EVAL_ARGS, *overrides)
+    got = layout_runs.result(layout)
     assert sorted(got.evals) == [0, 5], f"{layout}: evaluations at steps {sorted(got.evals)}"
     assert_matches_reference(got, reference, layout)
 
@@ -60,12 +60,32 @@ PRECISION_LAYOUTS = {
 }
 
 
+def amp_args(dtype: str) -> tuple[str, str]:
+    return "train.amp.enabled=True", f"train.amp.dtype={dtype}"
+
+
+# Every layout's run, launched together by world size (tests/parity.py's SharedRuns): fp32 runs by layout id,
+# mixed-precision runs as "<dtype>-<layout>".
+RUNS = {
+    **{layout: Spec(nproc, (f"model.num_layers={layers}", *EVAL_ARGS, *overrides))
+       for layout, (nproc, layers, overrides) in LAYOUTS.items()},
+    **{f"{dtype}-{layout}": Spec(2, (*amp_args(dtype), *overrides))
+       for dtype in ("bf16", "fp16") for layout, overrides in PRECISION_LAYOUTS.items()},
+}
+
+
+@pytest.fixture(scope="module")
+def layout_runs(shared_runs):
+    return shared_runs(RUNS, uses={"test_mixed_precision_layout_matches_single_process":
+                                   lambda p: f"{p['dtype']}-{p['layout']}"})
+
+
 @pytest.mark.parametrize("layout", list(PRECISION_LAYOUTS))
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_mixed_precision_layout_matches_single_process(dtype, layout, parity_reference, tmp_path):
-    amp = ("train.amp.enabled=True", f"train.amp.dtype={dtype}")
+def test_mixed_precision_layout_matches_single_process(dtype, layout, parity_reference, layout_runs):
+    amp = amp_args(dtype)
     reference = parity_reference(2, *amp)
-    got = parity_run(tmp_path / f"{dtype}-{layout}", 2, *amp, *PRECISION_LAYOUTS[layout])
+    got = layout_runs.result(f"{dtype}-{layout}")
     if dtype == "fp16":  # dynamic loss scaling ran, and took the same decisions as one process
         assert [r["loss_scale"] for r in got.train.values()] == [r["loss_scale"] for r in reference.train.values()]
         assert [r["skipped_steps"] for r in got.train.values()] == [r["skipped_steps"] for r in reference.train.values()]

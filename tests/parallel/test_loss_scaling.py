@@ -11,12 +11,9 @@ weights. 256 keeps every scaled gradient far from fp16's overflow (65504): the o
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 
-import launch
-from parity import PARITY_ARGS, assert_matches_reference, collect
+from parity import PARITY_ARGS, Spec, assert_matches_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -29,15 +26,20 @@ EXPECTED_SCALES = [256.0, 512.0, 512.0, 256.0, 256.0, 512.0]
 EXPECTED_SKIPPED = [0, 0, 0, 1, 1, 1]
 
 
-def fp16_run(out: Path, nproc: int, *overrides: str):
-    cmd = launch.train_command("gpt_debug", out, nproc, *ARGS, *overrides)
-    launch.assert_ok(launch.run(cmd, output_dir=out, fault=FAULT, retry=True))
-    return collect(out)
+OVERRIDES = ARGS[len(PARITY_ARGS):]  # what ARGS adds to PARITY_ARGS
+SIZES = {"dp2": "data", "tp2": "tensor", "pp2": "pipeline"}
 
 
 @pytest.fixture(scope="module")
-def fp16_reference(tmp_path_factory):
-    return fp16_run(tmp_path_factory.mktemp("fp16_reference") / "run", 1)
+def fp16_reference(reference_run):
+    return reference_run("gpt_debug", *OVERRIDES, env=(("DUFU_FAULT", FAULT),))  # one process, in this one
+
+
+@pytest.fixture(scope="module")
+def fp16_runs(shared_runs):
+    """The layouts' runs in one launch (tests/parity.py's SharedRuns), with the fault."""
+    return shared_runs({layout: Spec(2, (*OVERRIDES, f"train.dist.{size}_parallel_size=2"), env=(("DUFU_FAULT", FAULT),))
+                        for layout, size in SIZES.items()})
 
 
 def test_the_scale_grows_backs_off_and_the_overflow_step_is_skipped(fp16_reference):
@@ -50,9 +52,8 @@ def test_the_scale_grows_backs_off_and_the_overflow_step_is_skipped(fp16_referen
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2", "pp2"])
-def test_loss_scaling_is_the_same_in_every_layout(layout, fp16_reference, tmp_path):
-    size = {"dp2": "data", "tp2": "tensor", "pp2": "pipeline"}[layout]
-    got = fp16_run(tmp_path / layout, 2, f"train.dist.{size}_parallel_size=2")
+def test_loss_scaling_is_the_same_in_every_layout(layout, fp16_reference, fp16_runs):
+    got = fp16_runs.result(layout)
     assert [r["loss_scale"] for r in got.train.values()] == EXPECTED_SCALES
     assert [r["skipped_steps"] for r in got.train.values()] == EXPECTED_SKIPPED
     assert_matches_reference(got, fp16_reference, f"fp16 {layout}", steps=6, precision="fp16")

@@ -14,7 +14,7 @@ import warnings
 import numpy as np
 import pytest
 
-from parity import EVAL_ARGS, assert_matches_reference, parity_run
+from parity import EVAL_ARGS, Spec, assert_matches_reference
 
 with warnings.catch_warnings():  # megatron-core warns that apex / transformer-engine are not installed
     warnings.simplefilter("ignore")
@@ -55,14 +55,21 @@ def pairs(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(pairs, tmp_path_factory):
-    return parity_run(tmp_path_factory.mktemp("dufu_format") / "run", 1, f"dataloader.train.data_path={pairs[0]}",
-                      *EVAL_ARGS)
+def reference(pairs, reference_run):
+    return reference_run("gpt_debug", f"dataloader.train.data_path={pairs[0]}", *EVAL_ARGS)  # in this process
+
+
+@pytest.fixture(scope="module")
+def layout_runs(pairs, shared_runs, reference_run):
+    """The multi-process layouts' runs, launched together (tests/parity.py's SharedRuns); one process: in this one."""
+    args = (f"dataloader.train.data_path={pairs[1]}", *EVAL_ARGS)
+    runs = shared_runs({layout: Spec(nproc, (*args, *overrides)) for layout, (nproc, overrides) in LAYOUTS.items()
+                        if nproc > 1})
+    return lambda layout: reference_run("gpt_debug", *args) if LAYOUTS[layout][0] == 1 else runs.result(layout)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_megatron_pair_trains_like_dufu_format(layout, pairs, reference, tmp_path):
-    nproc, overrides = LAYOUTS[layout]
-    got = parity_run(tmp_path / layout, nproc, f"dataloader.train.data_path={pairs[1]}", *EVAL_ARGS, *overrides)
+def test_megatron_pair_trains_like_dufu_format(layout, pairs, reference, layout_runs):
+    got = layout_runs(layout)
     assert sorted(got.evals) == [0, 5], f"{layout}: evaluations at steps {sorted(got.evals)}"
     assert_matches_reference(got, reference, f"Megatron data, {layout}")

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from dufu_testing import train
-from parity import assert_matches_reference, parity_run
+from parity import Spec, assert_matches_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -36,20 +36,27 @@ def packing_args() -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def packed_reference(tmp_path_factory, dufu_cache_dir):
+def packed_reference(tmp_path_factory, dufu_cache_dir, reference_run):
     root = tmp_path_factory.mktemp("packed_sft")
     pretrained = root / "pretrained"
     train(pretrained, ["train.train_iter=2", "train.checkpointer.period=2", f"model.max_position_embeddings={SEQ}"],
           recipe="llama_debug")
     args = [f"model.pretrained={pretrained}", *packing_args()]
-    reference = parity_run(root / "reference", 1, *args, config="llama_sft")
+    reference = reference_run("llama_sft", *args)  # one process, in this one
     data = yaml.safe_load((Path(reference.output_dir) / "config.yaml").read_text())["dataloader"]["train"]
     assert data["packing"] is True and data["seq_length"] == SEQ
     return args, reference
 
 
+@pytest.fixture(scope="module")
+def layout_runs(packed_reference, shared_runs):
+    """Every layout's run, launched together (tests/parity.py's SharedRuns)."""
+    args, _ = packed_reference
+    return shared_runs({layout: Spec(2, (*args, *overrides), config="llama_sft") for layout, overrides in LAYOUTS.items()})
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_packed_sft_layout_matches_single_process(layout, packed_reference, tmp_path):
+def test_packed_sft_layout_matches_single_process(layout, packed_reference, layout_runs):
     args, reference = packed_reference
-    got = parity_run(tmp_path / layout, 2, *args, *LAYOUTS[layout], config="llama_sft")
+    got = layout_runs.result(layout)
     assert_matches_reference(got, reference, f"packed llama_sft {layout}")

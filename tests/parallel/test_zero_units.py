@@ -28,14 +28,34 @@ def test_stage_one_is_described_as_run():
     assert describe_zero_stage(3) == "ZeRO stage 3"
 
 
+@pytest.fixture(scope="module")
+def stage_runs(request, tmp_path_factory):
+    """``stage_runs(stage)`` -> the directory of each rank's ``rank_R.json`` for one ZeRO stage; the stages of
+    the selected tests run in one 2-process job of zero_units_worker.py (tests/launch.py's run_in_turn)."""
+    worker = launch.REPO / "tests" / "parallel" / "zero_units_worker.py"
+    wanted = [str(item.callspec.params["stage"]) for item in request.session.items
+              if getattr(item, "module", None) is request.module and hasattr(item, "callspec")]
+    root, outcomes = tmp_path_factory.mktemp("zero_units"), {}
+
+    def get(stage: int):
+        if str(stage) not in outcomes:
+            pending = [s for s in wanted if s not in outcomes] if str(stage) in wanted else [str(stage)]
+            outcomes.update(launch.run_in_turn(
+                pending, lambda job, stages: launch.torchrun_command(worker, 2, f"train.output_dir={job}", *stages),
+                root, timeout=300))
+        job, failure = outcomes[str(stage)]
+        assert failure is None, failure
+        return job / str(stage)
+
+    return get
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("stage", [2, 3])
-def test_units_and_tied_copy_on_two_ranks(stage, tmp_path):
-    worker = launch.REPO / "tests" / "parallel" / "zero_units_worker.py"
-    proc = launch.run(launch.torchrun_command(worker, 2, tmp_path, stage), output_dir=tmp_path, timeout=300)
-    launch.assert_ok(proc)
+def test_units_and_tied_copy_on_two_ranks(stage, stage_runs):
+    out = stage_runs(stage)
     for rank in (0, 1):
-        seen = json.loads((tmp_path / f"rank_{rank}.json").read_text())
+        seen = json.loads((out / f"rank_{rank}.json").read_text())
         err = seen["errors"]
         assert err["loss"] < 1e-6 and err["grad"] < 1e-6 and err["param"] < 1e-6, err
         assert err["state_dict_copy"] < 1e-6 and err["logits"] < 1e-5 and err["second_step_logits"] < 1e-5, err

@@ -13,7 +13,7 @@ import torch
 
 from dufu_testing import train
 import launch
-from parity import PARITY_ARGS, assert_matches_reference, collect, losses, parity_run
+from parity import PARITY_ARGS, Spec, assert_matches_reference, collect, losses
 
 pytestmark = pytest.mark.multiprocess
 
@@ -32,16 +32,34 @@ def assert_same_run(got, ref_out, what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def llama_reference(tmp_path_factory, dufu_cache_dir):
-    out = tmp_path_factory.mktemp("llama_reference") / "run"
-    train(out, PARITY_ARGS, recipe="llama_debug")  # one process, in this one
-    return out
+def llama_reference(reference_run):
+    return reference_run("llama_debug").output_dir  # one process, in this one
+
+
+@pytest.fixture(scope="module")
+def layout_runs(shared_runs, request):
+    """The layouts' runs of this module, launched together by world size (tests/parity.py's SharedRuns): llama's
+    as "llama-<layout>", and (when transformers is installed) GPT-2's from transformers weights as "gpt2-<layout>"."""
+    specs = {f"llama-{layout}": Spec(nproc, tuple(overrides), config="llama_debug")
+             for layout, (nproc, overrides) in LLAMA_LAYOUTS.items()}
+    gpt2 = "test_gpt2_weights_from_transformers_train_in_parallel_layouts"
+    try:
+        if any(getattr(item, "originalname", "") == gpt2 and item.module is request.module
+               for item in request.session.items):
+            path, _ = request.getfixturevalue("gpt2_hf_dir")
+            specs.update({f"gpt2-{layout}": Spec(nproc, (f"model.pretrained={path}", *overrides), config="gpt_debug")
+                          for layout, (nproc, overrides) in PRETRAINED_LAYOUTS.items()})
+    except pytest.skip.Exception:  # the GPT-2 tests skip themselves
+        pass
+    return shared_runs(specs, uses={
+        "test_llama_layout_matches_single_process": lambda p: f"llama-{p['layout']}",
+        gpt2: lambda p: f"gpt2-{p['layout']}",
+        "test_each_rank_reads_only_the_pretrained_tensors_it_holds": ()})
 
 
 @pytest.mark.parametrize("layout", list(LLAMA_LAYOUTS))
-def test_llama_layout_matches_single_process(layout, llama_reference, tmp_path):
-    nproc, overrides = LLAMA_LAYOUTS[layout]
-    got = parity_run(tmp_path / layout, nproc, *overrides, config="llama_debug")
+def test_llama_layout_matches_single_process(layout, llama_reference, layout_runs):
+    got = layout_runs.result(f"llama-{layout}")
     assert_same_run(got, llama_reference, f"llama_debug {layout}")
 
 
@@ -93,10 +111,8 @@ PRETRAINED_LAYOUTS = {
 
 
 @pytest.mark.parametrize("layout", list(PRETRAINED_LAYOUTS))
-def test_gpt2_weights_from_transformers_train_in_parallel_layouts(layout, gpt2_hf_dir, gpt2_hf_reference, tmp_path):
-    path, _ = gpt2_hf_dir
-    nproc, overrides = PRETRAINED_LAYOUTS[layout]
-    got = parity_run(tmp_path / layout, nproc, f"model.pretrained={path}", *overrides, config="gpt_debug")
+def test_gpt2_weights_from_transformers_train_in_parallel_layouts(layout, gpt2_hf_dir, gpt2_hf_reference, layout_runs):
+    got = layout_runs.result(f"gpt2-{layout}")
     assert_same_run(got, gpt2_hf_reference, f"GPT-2 from transformers, {layout}")
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity import assert_matches_reference, parity_run
+from parity import Spec, assert_matches_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,10 +45,22 @@ def recipe_args(name: str) -> tuple[str, list[str]]:
     return VARIANTS.get(name, (name, []))
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_zoo_layout_matches_single_process(layout, recipe_reference, tmp_path):
+def spec(layout: str) -> Spec:
     recipe, nproc, overrides = LAYOUTS[layout]
     config, model_overrides = recipe_args(recipe)
+    return Spec(nproc, (*model_overrides, *overrides), config=config)
+
+
+@pytest.fixture(scope="module")
+def layout_runs(shared_runs):
+    """Every layout's run, launched together by world size (tests/parity.py's SharedRuns)."""
+    return shared_runs({layout: spec(layout) for layout in LAYOUTS})
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_zoo_layout_matches_single_process(layout, recipe_reference, layout_runs):
+    recipe = LAYOUTS[layout][0]
+    config, model_overrides = recipe_args(recipe)
     reference = recipe_reference(config, *model_overrides)
-    got = parity_run(tmp_path / layout, nproc, *model_overrides, *overrides, config=config)
+    got = layout_runs.result(layout)
     assert_matches_reference(got, reference, layout)

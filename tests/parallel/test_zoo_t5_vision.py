@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import pytest
 
-from parity import EVAL_ARGS, assert_matches_reference, parity_run
+from parity import EVAL_ARGS, Spec, assert_matches_reference
 
 pytestmark = pytest.mark.multiprocess
 
@@ -42,12 +42,24 @@ LAYOUTS = {
 EVALUATED = {"vit_debug"}
 
 
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_matches_single_process(layout, recipe_reference, tmp_path):
+def spec(layout: str) -> Spec:
     recipe, nproc, overrides = LAYOUTS[layout]
     evaluation = EVAL_ARGS if recipe in EVALUATED else ()
+    return Spec(nproc, (*evaluation, *overrides), config=recipe)
+
+
+@pytest.fixture(scope="module")
+def layout_runs(shared_runs):
+    """Every layout's run, launched together by world size (tests/parity.py's SharedRuns)."""
+    return shared_runs({layout: spec(layout) for layout in LAYOUTS})
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_matches_single_process(layout, recipe_reference, layout_runs):
+    recipe = LAYOUTS[layout][0]
+    evaluation = EVAL_ARGS if recipe in EVALUATED else ()
     reference = recipe_reference(recipe, *evaluation)
-    got = parity_run(tmp_path / layout, nproc, *evaluation, *overrides, config=recipe)
+    got = layout_runs.result(layout)
     if evaluation:
         assert sorted(got.evals) == [0, 5] and "eval_accuracy" in got.evals[5], got.evals
     assert_matches_reference(got, reference, layout)

@@ -1,13 +1,14 @@
 """Worker of test_zero_units.py: the FSDP units of ZeRO stages on 2 ranks, and the tied head's sharded copy.
 
-    torchrun --nproc-per-node 2 tests/parallel/zero_units_worker.py OUT_DIR STAGE
+    torchrun --nproc-per-node 2 tests/parallel/zero_units_worker.py train.output_dir=JOB STAGE [STAGE ...]
 
 Each rank builds the tiny GPT (tied embedding/head) on the meta device, applies ZeRO ``STAGE`` through
 ``parallelize`` and materialises it; it also builds the same model on one device. Both ranks feed the same
 batch, so the averaged gradients equal the single-device ones. While the backward pass reaches the first block
 it records what is gathered and which gradients exist; after one AdamW step and a second forward it compares
 parameters, gradients and logits with the single-device model (also after two forwards without gradients and a
-second step), and writes what it saw to OUT_DIR/rank_R.json.
+second step), and writes what it saw to JOB/STAGE/rank_R.json. The stages run in turn in one job (tests/launch.py's
+run_in_turn: ``JOB/.done/STAGE`` when every rank has finished one, the first failure ends the job).
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ from dufu.parallel.grads import sync_tied_gradients, tied_parameters
 from dufu.parallel.materialize import materialize_
 from dufu.parallel.parallelize import parallelize
 
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests/, for launch.py
+from launch import in_turn  # noqa: E402
+
 SIZES = dict(vocab_size=256, hidden_size=64, num_layers=2, num_attention_heads=4, max_position_embeddings=32)
 
 
@@ -39,9 +43,20 @@ def gathered(p) -> bool:
     return not isinstance(p, DTensor)
 
 
-def main(out: Path, stage: int) -> None:
+def main(job: Path, stages: list[str]) -> None:
     dist.init_process_group("gloo")
     rank = dist.get_rank()
+
+    def check(stage: str) -> None:
+        out = job / stage
+        out.mkdir(parents=True, exist_ok=True)
+        check_stage(out, int(stage), rank)
+
+    in_turn(job, stages, check)
+    finish_distributed()  # not destroy_process_group: its gloo teardown can abort a finished rank
+
+
+def check_stage(out: Path, stage: int, rank: int) -> None:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("data", "tensor"))
     with torch.device("meta"):
         model = GPTModel(**SIZES)
@@ -105,10 +120,7 @@ def main(out: Path, stage: int) -> None:
         errors["second_step_logits"] = (model(ids).logits - ref(ids).logits).abs().max().item()
     seen["errors"] = errors
     (out / f"rank_{rank}.json").write_text(json.dumps(seen))
-    finish_distributed()  # not destroy_process_group: its gloo teardown can abort a finished rank
 
 
 if __name__ == "__main__":
-    out_dir = Path(sys.argv[1])
-    out_dir.mkdir(parents=True, exist_ok=True)
-    main(out_dir, int(sys.argv[2]))
+    main(Path(sys.argv[1].split("=", 1)[1]), sys.argv[2:])
