@@ -138,3 +138,14 @@ def shared_runs(request, tmp_path_factory, dufu_cache_dir):
 def _no_process_outlives_the_session():
     yield
     launch.stop_all()
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Runs that passed only on their retry after a death by signal (tests/launch.py): counted and shown, so CI
+    tells when one happened."""
+    if not launch.RETRIES:
+        terminalreporter.write_line("no process was retried after a death by signal")
+        return
+    terminalreporter.section(f"{len(launch.RETRIES)} process(es) retried after a death by signal")
+    for cmd, stderr in launch.RETRIES:
+        terminalreporter.write_line(f"$ {cmd}\n{stderr}\n")

@@ -9,11 +9,13 @@ Every process started through :func:`run` or :func:`start`
   torchrun started in sessions of their own (found by the run's unique ``output_dir`` on their command line);
   nothing outlives the test session (:func:`stop_all`);
 * on a timeout, returns what it printed so far plus a line saying it was killed, instead of raising;
-* is retried once, with a warning, when a process died by SIGSEGV/SIGABRT without an injected fault: gloo on an
-  overloaded CPU occasionally kills a rank that way (about once per hundred launches, never twice in a row). A
-  failure that repeats is reported as it is. Directories the run writes (``output_dir``, ``scratch``) are
-  emptied before the retry; a run into an ``output_dir`` that existed before it (a resume) is not retried, since
-  its starting state is gone.
+* is retried once when a process died by SIGSEGV/SIGABRT without an injected fault. dufu's workers never tear a
+  gloo process group down in the interpreter's finalization (``dufu.parallel.launch.exit_process``), the known
+  cause of such aborts; a retry that still happens is recorded in :data:`RETRIES` and listed, with the dead
+  process's output, at the end of the test session (tests/conftest.py), so none passes unseen. A failure that
+  repeats is reported as it is. Directories the run writes (``output_dir``, ``scratch``) are emptied before the
+  retry; a run into an ``output_dir`` that existed before it (a resume) is not retried, since its starting state
+  is gone.
 
 :func:`run_in_turn` runs several items (training runs, a worker's cases) one after another in one job, so that
 they share one start-up, while each still passes or fails on its own; :func:`in_turn` is the workers' side.
@@ -34,6 +36,9 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 REPO = Path(__file__).resolve().parent.parent
+
+# Every retry of this test session: (command, what the process that died printed last).
+RETRIES: list[tuple[str, str]] = []
 
 # Variables a test process may have that must not leak into a job: a job is its own (torchrun) world.
 _PRIVATE_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
@@ -107,6 +112,7 @@ def run(cmd: Sequence, *, timeout: float = 600, output_dir=None, scratch: Sequen
     proc = _run_once(cmd, timeout, output_dir, cwd, env, fault)
     if (fault is None if retry is None else retry) and fresh and _died_by_signal(proc):
         warnings.warn(f"a process died by a signal; retrying once: {' '.join(cmd[:8])} ...\n{proc.stderr[-1500:]}")
+        RETRIES.append((" ".join(cmd[:8]) + " ...", proc.stderr[-1500:]))
         for d in (output_dir, *scratch):
             if d is not None and Path(d).exists():
                 shutil.rmtree(d, ignore_errors=True)

@@ -150,11 +150,13 @@ def test_show_config_prints_the_resolved_config(tmp_path, capsys):
 
 def test_train_then_resume_through_the_cli(tmp_path, capsys):
     out = tmp_path / "cli_run"
-    assert main(["train", "gpt_debug", *TINY, f"train.output_dir={out}"]) == 0
+    assert main(["train", "gpt_debug", *FAST, "train.train_iter=4", "train.stop_at_iter=2",
+                 "train.checkpointer.period=0", f"train.output_dir={out}"]) == 0
     assert (out / "checkpoints" / "step_0000002" / "manifest.json").is_file()
+    assert not (out / "checkpoints" / "step_0000004").exists()
     capsys.readouterr()
-    # The saved config.yaml is a valid CONFIG argument; continue the run for 2 more steps.
-    assert main(["train", str(out / "config.yaml"), "--resume", "train.train_iter=4"]) == 0
+    # The saved config.yaml is a valid CONFIG argument, and alone continues the run for its 2 remaining steps.
+    assert main(["train", str(out / "config.yaml"), "--resume"]) == 0
     assert "resumed from" in capsys.readouterr().out
     assert (out / "checkpoints" / "step_0000004" / "manifest.json").is_file()
 
@@ -182,7 +184,8 @@ def test_cli_process_unknown_key_exits_2_without_traceback(copy_run, run_cli):
 def test_cli_process_recipes_and_unknown_recipe(run_cli, tmp_path):
     proc = run_cli("configs")
     assert proc.returncode == 0
-    listed = [line.split()[0] for line in proc.stdout.splitlines() if line.strip()]
+    # a recipe's line starts with two spaces and its name; its description may go on in lines indented further
+    listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ") and line[2] != " "]
     assert listed == list_recipes()
     proc = run_cli("train", "no_such_recipe")
     assert proc.returncode == 2
@@ -204,13 +207,15 @@ def test_every_command_runs_from_a_module_with_main():
 
 
 def test_help_and_argument_errors_do_not_import_torch(tmp_path):
-    # `dufu --help` and the --help of the commands that take a config answer in a fraction of a second: dufu.cli
-    # imports a subcommand's module only when it runs, and those modules import torch only when they need it.
+    # `dufu --help`, `dufu --version`, `dufu configs` and the --help of the commands that take a config answer in a
+    # fraction of a second: dufu.cli imports a subcommand's module only when it runs, and those modules import torch
+    # only when they need it.
     import subprocess
     import sys
 
     code = ("import sys\nfrom dufu.cli import main\n"
-            "for argv in (['--help'], ['train', '--help'], ['eval', '--help'], ['plan', '--help']):\n"
+            "for argv in (['--help'], ['--version'], ['train', '--help'], ['eval', '--help'], ['plan', '--help'],\n"
+            "             ['configs', 'llama']):\n"
             "    try:\n        main(argv)\n    except SystemExit:\n        pass\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -39,11 +39,13 @@ def measured_peaks() -> dict:
     """GFLOP/s of large fp32 and bf16 matmuls on this CPU now, this process's threads (dufu's measurement)."""
     import torch
 
-    from dufu.engine.reporting.flops import matmul_speeds
+    from dufu.engine.reporting.flops import measure_matmuls
 
-    speeds = matmul_speeds(torch.device("cpu"), (torch.float32, torch.bfloat16))
+    reading = measure_matmuls(torch.device("cpu"), (torch.float32, torch.bfloat16))
+    speeds = reading.speeds
     return {"fp32": round(speeds[torch.float32] / 1e9, 1), "bf16": round(speeds[torch.bfloat16] / 1e9, 1),
-            "threads": torch.get_num_threads(), "measured_by": "dufu.engine.reporting.flops.matmul_speeds"}
+            "threads": torch.get_num_threads(), "under_load": reading.under_load, "how": reading.describe(),
+            "measured_by": "dufu.engine.reporting.flops.measure_matmuls"}
 
 
 def git(*args: str) -> str:

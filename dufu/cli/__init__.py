@@ -1,27 +1,33 @@
 """`dufu <command> ...`: the usage text, the table of subcommands and ``main``, which runs one and presents its
-errors. Each subcommand parses its own arguments in a module of this package (dufu.cli.train, dufu.cli.eval, ...)."""
+errors (an optional package that is not installed among them: the one line that says what to install). Each
+subcommand parses its own arguments in a module of this package (dufu.cli.train, dufu.cli.eval, ...)."""
 
 from __future__ import annotations
 
 import difflib
 import importlib
+import importlib.metadata
+import importlib.util
 import os
+import platform
 import sys
 import textwrap
 
+import dufu
 from dufu.errors import DistributedFailure, DufuError
 
-USAGE = """dufu <command> [...]
+USAGE = """dufu <command> [...]    (dufu --version: the versions of dufu, torch and Python)
 
 commands:
-  train [CONFIG] [--resume] [--nproc N] [--show-config] [key=value ...]
+  train [CONFIG] [--resume | --resume-step N | --resume-from CKPT_DIR] [--override-saved KEY]
+        [--nproc N] [--show-config] [key=value ...]
                       train; CONFIG is a .py/.yaml file or a packaged recipe name (default: "default");
                       --nproc N starts N processes through torchrun (multi-node: --nnodes, --node-rank,
                       --master-addr, --master-port)
   plan [CONFIG] [key=value ...] --gpus N --gpu NAME [--gpus-per-node 8] [--json] [--plot FILE.png]
                       predict per-device peak memory and step time of the config's layout; with `auto` values
                       (e.g. train.dist.tensor_parallel_size=auto), rank the layouts that fit (dufu plan -h)
-  eval SOURCE [--nproc N] [--data FILE] [--json] [key=value ...]
+  eval SOURCE [--nproc N] [--whole-split | --data FILE] [--json] [key=value ...]
                       validation loss, perplexity and accuracy of a run/checkpoint or a Hugging Face directory,
                       in any layout (dufu eval -h)
   generate SOURCE --prompt TEXT [--prompt ...] [--num-beams K] [--stop S] [--max-memory SIZE]
@@ -32,7 +38,7 @@ commands:
                       (docs/pruning.md)
   quantize SOURCE --scheme int8-weight|int8-dynamic|int4-weight --output DIR
                       post-training quantization on torchao (docs/quantization.md)
-  configs             list the packaged recipes
+  configs [WORD ...]  list the packaged recipes (those whose name or description holds every WORD)
   convert CKPT (--to-hf DIR | --to-torch FILE.pt)
                       a sharded checkpoint (or a run's output_dir) as a Hugging Face directory or one file
   preprocess ...      tokenize text/jsonl into a memory-mapped token file (dufu preprocess -h)
@@ -43,8 +49,66 @@ commands:
 
 def _print_error(err: BaseException) -> None:
     msg = " ".join(str(err).split())
+    if isinstance(err, MissingPackage):  # one line: what is missing and the command that installs it
+        print(f"error: {msg}", file=sys.stderr)
+        return
     print("\n".join(textwrap.wrap(f"error: {msg}", width=100, break_long_words=False, break_on_hyphens=False)),
           file=sys.stderr)
+
+
+# Optional packages (pyproject.toml's [project.optional-dependencies]): package -> the extra that installs it alone,
+# or None where no extra does (torchao is only in the `test` and `bench` extras, which bring much more).
+OPTIONAL_PACKAGES = {"torchao": "quant", "torchft": "ft", "datasets": "hf"}
+
+
+def install_command(package: str) -> str:
+    """The pip command that installs an optional ``package`` beside the installed torch (pinned, so that pip does
+    not replace it): ``pip install "dufu[ft]" torch==2.13.0``."""
+    try:
+        torch = "torch==" + importlib.metadata.version("torch").split("+")[0]  # 2.13.0+cpu: the same release
+    except importlib.metadata.PackageNotFoundError:
+        torch = "torch"
+    extra = OPTIONAL_PACKAGES[package]
+    return f'pip install "dufu[{extra}]" {torch}' if extra else f"pip install {package} {torch}"
+
+
+class MissingPackage(DufuError):
+    """An optional package that a command needs is not installed (printed as one line, exit code 2)."""
+
+    def __init__(self, package: str, command: str):
+        super().__init__(f"dufu {command} needs {package}, which is not installed: {install_command(package)}")
+        self.package = package
+
+
+def require_package(package: str, command: str) -> None:
+    """Refuse, before any work, a command whose optional ``package`` (a key of OPTIONAL_PACKAGES) is missing."""
+    if importlib.util.find_spec(package) is None:
+        raise MissingPackage(package, command)
+
+
+def missing_package(err: ModuleNotFoundError, command: str) -> DufuError | None:
+    """The error to print for an import of an optional package that failed, or None for any other module (a
+    missing module of dufu's own dependencies is a broken install, and its traceback is the report)."""
+    package = (err.name or "").split(".")[0]
+    if package not in OPTIONAL_PACKAGES:
+        return None
+    if importlib.util.find_spec(package) is None:
+        return MissingPackage(package, command)
+    try:
+        version = importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        version = "of an unknown version"
+    return DufuError(f"dufu {command} needs {err.name}, which the installed {package} {version} lacks; upgrade "
+                     f"it: {install_command(package)} --upgrade")
+
+
+def version_text() -> str:
+    """``dufu --version``: dufu's version, and torch's and Python's (from package metadata: torch is not imported)."""
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    return f"dufu {dufu.__version__} (torch {torch}, Python {platform.python_version()})"
 
 
 # command -> the module whose ``main(argv)`` runs it, imported when that command runs: several import torch at
@@ -60,6 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(USAGE)
         return 0 if argv else 2
+    if argv[0] in ("-V", "--version"):
+        print(version_text())
+        return 0
     command, rest = argv[0], argv[1:]
     if command not in COMMANDS:
         close = difflib.get_close_matches(command, COMMANDS, n=1)
@@ -75,6 +142,16 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("RANK", "0") == "0" or isinstance(err, DistributedFailure):
             _print_error(err)
         return 2
+    except ModuleNotFoundError as err:  # an optional package imported where the work needs it (torchao, torchft, ...)
+        error = missing_package(err, command)
+        if error is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            _print_error(error)
+        return 2
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # `dufu configs | head`: the reader has gone; the output left over goes nowhere
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141  # 128 + SIGPIPE, as a shell reports a command the pipe ended

@@ -11,8 +11,11 @@ and split as training builds it, so they are the ``eval_loss`` a run logs, and t
   weights (``L(pretrained_model)(path=DIR)``) and evaluated on the data of ``--config`` (default: the default
   recipe's built-in corpus), tokenized with the directory's tokenizer.
 
-By default every whole global batch of the validation split is evaluated (``--eval-iter`` caps it); ``--data
-FILE`` evaluates a text/jsonl file or a preprocessed prefix instead, all of it. Nothing is written to the run.
+By default the validation split is evaluated as the run evaluates it while training: its first
+``train.evaluation.eval_iter`` global batches (the config's value; a Hugging Face directory takes that of
+``--config``), so a checkpoint's ``eval_loss`` is the one the run logged at its step. ``--eval-iter N`` evaluates N
+batches instead, ``--whole-split`` every whole global batch of the split. ``--data FILE`` evaluates a text/jsonl
+file or a preprocessed prefix instead, all of it (``--eval-iter`` caps it). Nothing is written to the run.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from dufu.cli import require_package
 from dufu.cli.config_args import refuse_unknown_flags
 from dufu.config import LazyCall, LazyConfig, resolve_config_path
 from dufu.errors import ConfigError, DataError, DufuError
@@ -56,8 +60,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--data", default=None, metavar="FILE",
                         help="evaluate on this text/jsonl file (or preprocessed prefix), all of it, instead of the "
                         "config's validation split")
-    parser.add_argument("--eval-iter", type=int, default=None,
-                        help="evaluate at most this many global batches (default: the whole validation split)")
+    how_much = parser.add_mutually_exclusive_group()
+    how_much.add_argument("--eval-iter", type=int, default=None,
+                          help="evaluate at most this many global batches (default: the config's "
+                          "train.evaluation.eval_iter, the batches the run's logged eval_loss comes from)")
+    how_much.add_argument("--whole-split", action="store_true",
+                          help="evaluate every whole global batch of the validation split, not the first "
+                          "train.evaluation.eval_iter")
     parser.add_argument("--nproc", type=int, default=None, help="processes; dufu starts them through torchrun")
     parser.add_argument("--json", action="store_true", help="print the result as one JSON object")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.dist.tensor_parallel_size=2")
@@ -73,6 +82,8 @@ def source_config(source: str, config: str | None, overrides: list[str]):
     from dufu.compress.quantize_io import is_quantized_dir  # imports torch: not for --help
 
     quantized = is_quantized_dir(path)
+    if quantized:
+        require_package("torchao", "eval")  # its tensors are torchao's
     if quantized or (path / "config.json").is_file():
         from dufu.data import build_tokenizer  # imports torch: not for --help
         from dufu.engine.weights.pretrained import pretrained_model  # imports torch: not for --help
@@ -142,18 +153,32 @@ def prepare(source: str, config: str | None, overrides: list[str], world_size: i
     return cfg, ckpt, kind, notes
 
 
+def check_amount(eval_iter: int | None, whole_split: bool, data: str | None) -> None:
+    """Refuse a request for how many batches to evaluate that contradicts itself."""
+    if eval_iter is not None and whole_split:
+        raise ConfigError(f"--eval-iter {eval_iter} and --whole-split ask for two different amounts; give one.")
+    if data is not None and whole_split:
+        raise ConfigError("--whole-split applies to the validation split; --data FILE evaluates all of the file "
+                          "already (--eval-iter caps it).")
+    if eval_iter is not None and eval_iter < 1:
+        raise ConfigError(f"--eval-iter {eval_iter}: give 1 or more global batches.")
+
+
 def evaluate_source(source: str, config: str | None = None, overrides: list[str] = (), data: str | None = None,
-                    eval_iter: int | None = None) -> dict:
+                    eval_iter: int | None = None, whole_split: bool = False) -> dict:
     """Evaluate ``source`` in this process's layout (every rank of a job calls it); returns the metrics, with
     what was evaluated. Builds the run's :class:`~dufu.engine.runtime.Runtime` only: no optimizer, sampler or
-    checkpointer."""
+    checkpointer. How many global batches: ``eval_iter``, else with ``whole_split`` (or ``data``) all of them,
+    else the config's ``train.evaluation.eval_iter``, as the run evaluated while training."""
     from dufu.compress.quantize_io import load_quantized  # imports torch: not for --help
     from dufu.engine.weights.checkpoint import Checkpointer  # imports torch: not for --help
     from dufu.engine.delta_run import is_delta_checkpoint  # imports torch: not for --help
     from dufu.engine.evaluation import evaluate  # imports torch: not for --help
     from dufu.engine.runtime import Runtime  # imports torch: not for --help
 
+    check_amount(eval_iter, whole_split, data)
     cfg, ckpt, kind, notes = prepare(source, config, list(overrides), int(os.environ.get("WORLD_SIZE", 1)))
+    logged_iter = int(cfg.train.evaluation.eval_iter)  # what the run's own evaluation takes
     # A delta checkpoint holds the delta only: its base comes from its source as in training (the runtime starts
     # from it as from a resumed delta run). Any other checkpoint gives the model weights alone (it may hold no
     # optimizer state, e.g. a pruned model).
@@ -171,10 +196,15 @@ def evaluate_source(source: str, config: str | None = None, overrides: list[str]
             raise DataError(f"the validation data has {len(valid_ds)} samples, fewer than one global batch "
                             f"({rt.global_batch_size}); lower train.global_batch_size (and "
                             "train.train_micro_batch_size) or give more data.")
+        whole = batches
         if eval_iter is not None:
-            if eval_iter < 1:
-                raise ConfigError(f"--eval-iter {eval_iter}: give 1 or more global batches.")
-            batches = min(batches, eval_iter)
+            batches, amount = min(batches, eval_iter), f"--eval-iter {eval_iter}"
+        elif whole_split or data is not None:
+            amount = "all of it"
+        else:
+            batches = min(batches, logged_iter)
+            amount = (f"train.evaluation.eval_iter={logged_iter}, as training evaluates"
+                      + (f"; --whole-split: {whole}" if whole > batches else ""))
         cfg.train.evaluation.eval_iter = batches
         if kind == "quantized directory":
             rt.replace_model(load_quantized(source).to(rt.device))
@@ -193,7 +223,7 @@ def evaluate_source(source: str, config: str | None = None, overrides: list[str]
             "dtype": str(rt.amp_dtype).replace("torch.", "") if rt.amp_dtype else "float32",
             "data": data or "validation split of the config's data", "global_batch_size": rt.global_batch_size,
             "seq_length": rt.seq_length,
-            "batches": batches, "notes": notes, **metrics}
+            "batches": batches, "batches_chosen_by": amount, "notes": notes, **metrics}
 
 
 def whole_file_dataset(data: str, runtime):
@@ -213,7 +243,7 @@ def format_table(r: dict) -> str:
              f"  model       {r['model']}, {r['parameters']:,} parameters, {r['dtype']}",
              f"  layout      {r['world_size']} process{'es' if r['world_size'] > 1 else ''}: {r['layout']}",
              f"  data        {r['data']}: {r['batches']} global batches x {r['global_batch_size']} = "
-             f"{r['eval_samples']:,} samples",
+             f"{r['eval_samples']:,} samples ({r['batches_chosen_by']})",
              f"  eval_loss   {r['eval_loss']:.4f}",
              f"  eval_ppl    {r['eval_ppl']:.3f}"]
     if "eval_accuracy" in r:
@@ -235,6 +265,7 @@ def main(argv: list[str]) -> int:
 
         if args.nproc < 1:
             raise DufuError(f"--nproc {args.nproc}: give 1 or more processes.")
+        check_amount(args.eval_iter, args.whole_split, args.data)
 
         cfg, ckpt, _, _ = prepare(args.source, args.config, overrides, args.nproc)
         preflight(cfg, world_size=args.nproc,  # one clear error, before any worker starts
@@ -243,11 +274,12 @@ def main(argv: list[str]) -> int:
         for flag, value in (("--config", args.config), ("--data", args.data), ("--eval-iter", args.eval_iter)):
             if value is not None:
                 forwarded += [flag, str(value)]
+        forwarded += ["--whole-split"] if args.whole_split else []
         forwarded += ["--json"] if args.json else []
         return run_torchrun(torchrun_command(args.nproc, forwarded, command="eval"))
     from dufu.parallel.launch import finish_distributed  # imports torch: not for --help
 
-    result = evaluate_source(args.source, args.config, overrides, args.data, args.eval_iter)
+    result = evaluate_source(args.source, args.config, overrides, args.data, args.eval_iter, args.whole_split)
     if os.environ.get("RANK", "0") == "0":
         print(json.dumps(result, indent=1) if args.json else format_table(result), flush=True)
     finish_distributed(0)

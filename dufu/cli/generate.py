@@ -9,6 +9,12 @@ Several prompts (``--prompt`` repeated, ``--prompts-file``) run as one left-padd
 each prompt followed by its continuation; an encoder-decoder (T5) reads the prompt with its encoder, ended
 by the end-of-sequence token as T5's tokenizer and dufu's span corruption end every input, and prints what
 its decoder generates. With several prompts the results are separated by a blank line.
+
+``--max-new-tokens`` is honoured as transformers' ``generate`` honours ``max_new_tokens``: every token asked for
+is generated. Where the prompt and the new tokens pass the model's positions (``max_position_embeddings``), a
+notice on stderr says so, and from there on the model sees the last ``max_position_embeddings`` tokens (a window
+that slides with every new token; transformers would index past the position table or go on with positions the
+model never trained on).
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from dufu.cli import require_package
 from dufu.cli.quantize import is_quantized_dir, load_quantized_for_generation
 from dufu.config import LazyConfig, instantiate
 from dufu.data import build_tokenizer
@@ -53,6 +60,7 @@ def load_for_generation(path: str | Path, device: str = "cpu", max_memory: int |
         raise DataError(f"{path} does not exist. Give a dufu run's output_dir (or one of its checkpoints) or a "
                         "Hugging Face model directory.")
     if is_quantized_dir(path):  # written by `dufu quantize`
+        require_package("torchao", "generate")  # its tensors are torchao's
         if max_memory is not None:
             raise DataError(f"{path} is a quantized model directory; --max-memory streams fp32/bf16 safetensors "
                             "of a run or Hugging Face directory. Leave out one of the two.")
@@ -83,22 +91,39 @@ def load_for_generation(path: str | Path, device: str = "cpu", max_memory: int |
     return model.to(device).eval(), tokenizer, eos
 
 
+class HelpWithDefaults(argparse.RawDescriptionHelpFormatter):
+    """The epilog as written, and every option's default after its help, unless the help says it already or
+    there is none to show (a flag off by default, an empty list, a value that depends on other options)."""
+
+    def _get_help_string(self, action):
+        text = action.help or ""
+        default = action.default
+        if "(default" in text or default is None or default is False or default == [] or default == argparse.SUPPRESS:
+            return text  # identity, not `in (None, False)`: a default of 0 is shown
+        return f"{text} (default: %(default)s)" if action.option_strings else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="dufu generate", description="Continue prompts with a dufu checkpoint or a Hugging Face model (an "
         "encoder-decoder such as T5 prints what it generates from each prompt).",
-        epilog=USAGE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=USAGE_EPILOG, formatter_class=HelpWithDefaults,
     )
     parser.add_argument("source", help="a dufu run's output_dir, a checkpoint directory, or a Hugging Face directory")
     parser.add_argument("--prompt", action="append", default=[],
                         help="a text to continue (repeat for several prompts, generated as one batch)")
     parser.add_argument("--prompts-file", metavar="FILE",
                         help="a text file with one prompt per line (empty lines are skipped), after any --prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--max-new-tokens", type=int, default=64,
+                        help="tokens to generate after each prompt (fewer where a prompt ends with the end-of-text "
+                        "token or a --stop text); past the model's positions the model sees the last ones only")
     parser.add_argument("--temperature", type=float, default=None,
-                        help=f"sampling temperature (default {DEFAULT_TEMPERATURE})")
-    parser.add_argument("--top-k", type=int, default=None)
-    parser.add_argument("--top-p", type=float, default=None)
+                        help=f"sampling temperature; 0 is greedy (default: {DEFAULT_TEMPERATURE})")
+    parser.add_argument("--top-k", type=int, default=None,
+                        help="sample among the K most likely tokens only (default: all)")
+    parser.add_argument("--top-p", type=float, default=None,
+                        help="sample among the most likely tokens whose probabilities add up to P (nucleus "
+                        "sampling; default: all)")
     parser.add_argument("--greedy", action="store_true", help="always take the most likely token (temperature 0)")
     parser.add_argument("--num-beams", type=int, default=1,
                         help="beam search with this many beams (deterministic: no sampling options)")
@@ -113,7 +138,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     parser.add_argument("--max-memory", default=None, metavar="SIZE",
                         help="hold at most SIZE of the model's tensors (2GB, 512MiB, 1.5G); blocks that do not fit "
-                        "are streamed from the memory-mapped safetensors (GPT, LLaMA, Qwen2; docs/inference.md)")
+                        "are streamed from the memory-mapped safetensors (GPT, LLaMA, Qwen2; docs/inference.md; "
+                        "default: the whole model in memory)")
     return parser
 
 
@@ -161,6 +187,23 @@ def left_padded(rows: list[list[int]], pad_id: int, device) -> tuple[torch.Tenso
     return ids, mask
 
 
+def context_notice(prompt_tokens: int, max_new_tokens: int, positions: int | None) -> str | None:
+    """What happens when the longest prompt and the new tokens need more than the model's ``positions``, or None
+    when they fit. The last new token is predicted from ``prompt_tokens + max_new_tokens - 1`` tokens."""
+    if positions is None or prompt_tokens + max_new_tokens - 1 <= positions:
+        return None
+    fits = positions - prompt_tokens + 1  # new tokens predicted with the whole sequence in view
+    if fits < 1:
+        return (f"the longest prompt has {prompt_tokens} tokens, more than the model's {positions} positions "
+                f"(max_position_embeddings): the model sees only its last {positions} tokens, a window that moves "
+                f"on with every new token. Shorten the prompt to see all of it.")
+    return (f"the longest prompt ({prompt_tokens} tokens) + --max-new-tokens {max_new_tokens} needs more than the "
+            f"model's {positions} positions (max_position_embeddings): after {fits} new tokens the model sees only "
+            f"the last {positions} tokens, a window that moves on with every new token (all {max_new_tokens} are "
+            f"generated, as transformers' generate honours max_new_tokens). --max-new-tokens {fits} stays within "
+            "the positions.")
+
+
 def generate_texts(model, tokenizer, eos, prompts: list[str], args) -> list[str]:
     """The printed result of each prompt: prompt + continuation (causal LM) or the decoder's output (T5)."""
     seq2seq = is_encoder_decoder(model)
@@ -171,6 +214,10 @@ def generate_texts(model, tokenizer, eos, prompts: list[str], args) -> list[str]
             raise DataError(f"the prompt {text!r} is empty after tokenization; give some text.")
         rows.append(ids + [eos] if seq2seq and eos is not None else ids)
     prompt, mask = left_padded(rows, eos if eos is not None else 0, args.device)
+    positions = contract_of(model).max_position_embeddings
+    notice = None if seq2seq else context_notice(prompt.shape[1], args.max_new_tokens, positions)
+    if notice:
+        print(f"notice: {notice}", file=sys.stderr)
     stop = StopStrings(tokenizer.decode, args.stop) if args.stop else None
     temperature = 0.0 if args.greedy else (args.temperature if args.temperature is not None else DEFAULT_TEMPERATURE)
     if args.num_beams > 1:
@@ -178,7 +225,7 @@ def generate_texts(model, tokenizer, eos, prompts: list[str], args) -> list[str]
     out = generate(
         model, prompt, args.max_new_tokens, temperature=temperature, top_k=args.top_k, top_p=args.top_p,
         eos_id=eos, attention_mask=mask if not bool(mask.all()) else None,
-        max_context=contract_of(model).max_position_embeddings,
+        max_context=positions,
         generator=torch.Generator(device=args.device).manual_seed(args.seed),
         repetition_penalty=args.repetition_penalty, num_beams=args.num_beams, length_penalty=args.length_penalty,
         stop=stop, pad_id=eos if eos is not None else 0,

@@ -12,6 +12,7 @@ import os
 import signal
 import threading
 
+from dufu.cli import require_package
 from dufu.engine.resilience.fault_tolerance import DEFAULT_PORT
 from dufu.errors import DufuError
 
@@ -42,11 +43,9 @@ def main(argv: list[str]) -> int:
     for name in ("join_timeout", "heartbeat_timeout", "quorum_tick"):
         if getattr(args, name) <= 0:
             raise DufuError(f"--{name.replace('_', '-')} {getattr(args, name)}: give a positive number of seconds.")
+    require_package("torchft", "lighthouse")
     os.environ.setdefault("RUST_LOG", "warn")  # RUST_LOG=info: a log line per quorum
-    try:
-        from torchft.coordination import LighthouseServer  # torchft is an optional dependency (dufu[ft])
-    except ImportError:
-        raise DufuError("dufu lighthouse needs torchft: pip install 'dufu[ft]' (or pip install torchft).") from None
+    from torchft.coordination import LighthouseServer  # torchft is an optional dependency (dufu[ft])
     try:
         server = LighthouseServer(bind=args.bind, min_replicas=args.min_replicas,
                                   join_timeout_ms=int(args.join_timeout * 1000),

@@ -18,13 +18,14 @@ from pathlib import Path
 
 import torch
 
+from dufu.cli import require_package
 from dufu.compress.quantize import INT4_GROUP_SIZES, SCHEMES, quantize_model, unique_tensors
 from dufu.compress.quantize_io import is_quantized_dir, load_quantized, read_manifest, save_quantized
 from dufu.config import LazyConfig, instantiate
 from dufu.data import build_tokenizer
 from dufu.engine.weights.convert import resolve_checkpoint
 from dufu.engine.delta_run import is_delta_checkpoint
-from dufu.engine.weights.pretrained import from_pretrained, pretrained_model
+from dufu.engine.weights.pretrained import from_pretrained, give_default_mode, pretrained_model
 from dufu.errors import DataError, DufuError
 from dufu.models.hub import read_hf_config
 
@@ -159,6 +160,7 @@ def summary_lines(out: Path) -> list[str]:
 
 def quantize_to(source: str | Path, scheme: str, output: str | Path, group_size: int | None = None) -> Path:
     """Load ``source``, quantize it with ``scheme``, write ``output``; returns the output directory."""
+    require_package("torchao", "quantize")  # before the model is loaded
     out = Path(output)
     if out.exists() and any(out.iterdir()) and not is_quantized_dir(out):
         raise DufuError(f"{out} exists and is not a quantized model directory; give an empty or new --output.")
@@ -170,6 +172,7 @@ def quantize_to(source: str | Path, scheme: str, output: str | Path, group_size:
     if info["kind"] == "dufu checkpoint" and not files:
         info["eos_token_id"] = _config_tokenizer(Path(info["config_yaml"]), out)
     save_quantized(model, scheme, info, out, extra_files=files)
+    give_default_mode(out / read_manifest(out)["weights"])
     return out
 
 

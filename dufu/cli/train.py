@@ -7,6 +7,7 @@ import argparse
 import os
 import sys
 import tempfile
+from pathlib import Path
 
 from dufu.cli.config_args import load_train_config, parse_config_args
 from dufu.config import LazyConfig
@@ -23,6 +24,17 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
     parser.add_argument("--resume-if-exists", action="store_true",
                         help="resume when train.output_dir holds a checkpoint, else start fresh (used for restarts)")
+    parser.add_argument("--resume-step", type=int, default=None, metavar="N",
+                        help="continue from the step-N checkpoint of train.output_dir (e.g. when a newer one is "
+                             "damaged); later checkpoints there are moved aside")
+    parser.add_argument("--resume-from", default=None, metavar="CHECKPOINT_DIR",
+                        help="continue from this checkpoint directory (e.g. RUN/checkpoints/step_0000100), possibly "
+                             "of another run, writing to train.output_dir")
+    parser.add_argument("--override-saved", action="append", default=[], metavar="KEY",
+                        help="on resume, let KEY (or a group, e.g. train.scheduler) differ from the saved run: the "
+                             "learning-rate schedule (train.train_iter, train.scheduler.*, optim.lr), the global batch "
+                             "(train.global_batch_size) or the data (train.seed, dataloader.*, tokenization.*), "
+                             "which a resume otherwise refuses to change; repeatable")
     parser.add_argument("--show-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
                         help="processes per node; dufu starts them through torchrun")
@@ -38,6 +50,7 @@ def main(argv: list[str]) -> int:
                         help="restart a failed job up to N times, resuming from the last complete checkpoint")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.train_iter=100 optim.lr=1e-3")
     args, config, overrides = parse_config_args(parser, argv, "train")
+    check_resume_options(args)
     cfg = load_train_config(config, overrides)
     launching = args.nproc is not None and "LOCAL_RANK" not in os.environ
     nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
@@ -55,15 +68,62 @@ def main(argv: list[str]) -> int:
             LazyConfig.save(cfg, os.path.join(d, "config.yaml"))
             print(open(os.path.join(d, "config.yaml")).read())
         return 0
-    from dufu.engine.resilience.preemption import PREEMPTED_EXIT_CODE  # imports torch: not for --help
+    from dufu.engine.resilience.preemption import exit_code  # imports torch: not for --help
     from dufu.engine.trainer import Trainer  # imports torch: not for --help
     from dufu.parallel.launch import finish_distributed  # imports torch: not for --help
 
-    trainer = Trainer(cfg, resume="auto" if args.resume_if_exists else args.resume, notices=[notice] if notice else ())
+    trainer = Trainer(cfg, resume=resume_request(args), notices=[notice] if notice else ())
     trainer.train()
-    code = PREEMPTED_EXIT_CODE if trainer.preempted else 0  # a scheduler requeues the job (dufu.engine.resilience.preemption)
+    # a scheduler requeues a preempted job; Ctrl-C is a person's stop (dufu.engine.resilience.preemption)
+    code = exit_code(trainer.preempted) if trainer.preempted else 0
     finish_distributed(code)
     return code
+
+
+def check_resume_options(args) -> None:
+    """The resume options make sense together (before the config is loaded: nothing else depends on them)."""
+    if args.resume_step is not None and args.resume_from is not None:
+        raise DufuError("--resume-step and --resume-from both name a checkpoint to resume; give one of them.")
+    if args.resume_step is not None and args.resume_step < 0:
+        raise DufuError(f"--resume-step {args.resume_step}: a step is a non-negative number, e.g. --resume-step 100.")
+    named = "--resume-step" if args.resume_step is not None else "--resume-from" if args.resume_from else None
+    if named and args.max_restarts:
+        raise DufuError(
+            f"{named} with --max-restarts: a restarted job would begin again at that checkpoint, not at its own "
+            f"latest. Start from it once without --max-restarts; continue with --resume --max-restarts "
+            f"{args.max_restarts}.")
+    if args.override_saved and not (args.resume or args.resume_if_exists or named or args.max_restarts):
+        raise DufuError(f"--override-saved {' '.join(args.override_saved)} applies to a resume: add --resume (or "
+                        "--resume-step N / --resume-from CHECKPOINT_DIR).")
+
+
+def resume_request(args, restarts: bool = False):
+    """False (a new run) or the ResumeRequest the options make: ``--resume-if-exists`` (and a job that
+    ``restarts``) takes the newest checkpoint when there is one, else starts at step 0."""
+    if_exists = (args.resume_if_exists or restarts) and not args.resume
+    if not (args.resume or if_exists or args.resume_step is not None or args.resume_from):
+        return False
+    from dufu.engine.weights.resume_checks import ResumeRequest  # imports torch: not for --help
+
+    return ResumeRequest(if_exists=if_exists, step=args.resume_step,
+                         path=Path(args.resume_from).absolute() if args.resume_from else None,
+                         override_saved=tuple(args.override_saved))
+
+
+def resume_flags(args) -> list[str]:
+    """The resume options as the workers get them (and a restarted worker group again)."""
+    flags = []
+    if args.resume or args.resume_step is not None or args.resume_from:
+        flags.append("--resume")
+    elif args.max_restarts:  # a restarted worker group continues from the last complete checkpoint
+        flags.append("--resume-if-exists")
+    if args.resume_step is not None:
+        flags += ["--resume-step", str(args.resume_step)]
+    if args.resume_from:
+        flags += ["--resume-from", str(os.path.abspath(args.resume_from))]
+    for key in args.override_saved:
+        flags += ["--override-saved", key]
+    return flags
 
 
 def resolve_auto(cfg, world_size: int):
@@ -81,7 +141,8 @@ def resolve_auto(cfg, world_size: int):
 def launch(args, config, overrides, cfg) -> int:
     """Check the config for the requested world size here, once, then start the workers through torchrun."""
     from dufu.cli.torchrun import run_torchrun  # imports torch: not for --help
-    from dufu.engine.resilience.preemption import PREEMPTED_EXIT_CODE, read_marker  # imports torch: not for --help
+    # imports torch: not for --help
+    from dufu.engine.resilience.preemption import exit_code, read_marker, resume_command
     from dufu.engine.preflight import preflight  # imports torch: not for --help
     from dufu.parallel.launch import torchrun_command  # imports torch: not for --help
 
@@ -93,17 +154,15 @@ def launch(args, config, overrides, cfg) -> int:
             f"(train.checkpointer.period={cfg.train.checkpointer.period!r}): a restarted job resumes from the "
             "last checkpoint, and there would be none, so every restart would begin again at step 0. Set "
             "train.checkpointer.period to a number of steps (e.g. train.checkpointer.period=100).")
-    resume = True if args.resume else ("auto" if args.max_restarts else False)
+    resume = resume_request(args, restarts=bool(args.max_restarts))
     if len(nodes) > 1 and nodes[0] != nodes[-1]:  # elastic: the layout is derived again at every world size
         from dufu.engine.resilience.elastic import check_elastic_range  # imports torch: not for --help
 
         check_elastic_range(cfg, args.nproc, nodes[0], nodes[-1], resume)
     else:
         preflight(cfg, world_size=args.nproc * nnodes, resume=resume)
-    argv = ([config] if config else []) + overrides
-    if args.resume or args.max_restarts:
-        # A restarted worker group must continue from the last complete checkpoint, not start over.
-        argv.append("--resume-if-exists" if not args.resume else "--resume")
+    # A restarted worker group must continue from the last complete checkpoint, not start over.
+    argv = ([config] if config else []) + overrides + resume_flags(args)
     cmd = torchrun_command(args.nproc, argv, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, master_port=args.master_port,
                            max_restarts=args.max_restarts, rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id,
@@ -111,7 +170,16 @@ def launch(args, config, overrides, cfg) -> int:
     code = run_torchrun(cmd)
     preempted = read_marker(cfg.train.output_dir)
     if code != 0 and preempted is not None:
-        print(f"preempted by {preempted['signal']} at step {preempted['step']}: the checkpoint is complete; "
-              "continue with --resume", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+        # the job as it was started: --nproc N and the other launcher options
+        again = resume_command(cfg.train.output_dir, args.nproc, launcher_args(args))
+        print(f"stopped by {preempted['signal']} at step {preempted['step']}: the checkpoint is complete; "
+              f"continue with: {again}", file=sys.stderr)
+        return exit_code(preempted["signal"])
     return code
+
+
+def launcher_args(args) -> list[str]:
+    """The launcher options given besides --nproc (--nnodes 2 --master-addr node0 ...), as a command line."""
+    names = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id", "max_restarts")
+    return [item for name in names if getattr(args, name) is not None
+            for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]

@@ -254,6 +254,10 @@ def _with_location(exc: ConfigError, file: Path) -> ConfigError:
     return located
 
 
+_PACKAGED = "dufu.configs"
+_PACKAGED_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
 @contextmanager
 def _relative_import_hook() -> Iterator[None]:
     """Route relative imports made by config files to `_import_config` (re-entrant).
@@ -269,6 +273,12 @@ def _relative_import_hook() -> Iterator[None]:
             def hooked_import(name, globals=None, locals=None, fromlist=(), level=0):
                 if level > 0 and globals is not None and globals.get(_MARKER):
                     return _import_config(globals["__file__"], name, fromlist or (), level)
+                if level == 0 and fromlist and name.startswith(_PACKAGED + ".") and globals is not None \
+                        and globals.get(_MARKER):
+                    # `from dufu.configs.common.train import train` in a config of one's own folder: executed
+                    # afresh like a relative import, so that what one config edits no other load sees (Python's
+                    # import would hand every config in the process the same module-level node).
+                    return _import_config(str(_PACKAGED_DIR / "__init__.py"), name[len(_PACKAGED) + 1:], fromlist, 1)
                 return original(name, globals, locals, fromlist, level)
 
             builtins.__import__ = hooked_import
@@ -346,5 +356,16 @@ def _import_config(
         f"`{statement}` failed: there is no config file "
         f"{py_file if py_file is not None else target}. Relative imports in configs name files "
         f"relative to the importing file's directory (one dot = the same directory, two dots "
-        f"= its parent); fix the path."
+        f"= its parent); fix the path.{_packaged_hint(name, fromlist, level)}"
     )
+
+
+def _packaged_hint(name: str, fromlist: tuple[str, ...], level: int) -> str:
+    """When ``from .<name> import ...`` names one of dufu's own config files (a recipe copied out of the
+    package), the absolute import that works from any folder."""
+    if level != 1 or not name:
+        return ""
+    if not _PACKAGED_DIR.joinpath(*name.split(".")).with_suffix(".py").is_file():
+        return ""
+    return (f" dufu's own config files are a package: from a config in your own folder, write "
+            f"`from dufu.configs.{name} import {', '.join(fromlist)}`.")

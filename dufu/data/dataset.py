@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 from pathlib import Path
 from typing import Mapping
 
@@ -223,17 +222,34 @@ def _check_fits(indexed: IndexedDataset, tokenizer: Tokenizer) -> None:
             "kind='pretrained'), or preprocess the text again with this tokenizer."
         )
     saved = Path(indexed.prefix + ".tokenizer.json")
-    if saved.is_file():
-        try:
-            same = Tokenizer.from_file(saved).fingerprint == tokenizer.fingerprint
-        except DataError:
-            return
-        if not same:
-            warnings.warn(
-                f"Dataset {indexed.prefix!r} was preprocessed with the tokenizer in {saved}, which differs "
-                f"from the tokenizer in use ({tokenizer.name}); the token ids may mean different text.",
-                stacklevel=3,
-            )
+    if saved.is_file() and Tokenizer.from_file(saved).fingerprint != tokenizer.fingerprint:
+        raise DataError(
+            f"Dataset {indexed.prefix!r} was preprocessed with the tokenizer in {saved}, which differs from the "
+            f"tokenizer in use ({tokenizer.name}): its token ids would be read as other text. Use the data's "
+            f"tokenizer (tokenization.tokenizer.kind=pretrained tokenization.tokenizer.path={saved}; `dufu train` "
+            "does this by itself), or preprocess the text again with this tokenizer."
+        )
+
+
+def data_tokenizer_file(data_path: Input | Mapping) -> Path | None:
+    """The tokenizer a preprocessed dataset was made with (``<prefix>.tokenizer.json``, which ``dufu preprocess``
+    writes beside it), for a prefix or a blend of prefixes; None for text inputs (the run's tokenizer tokenizes
+    them) and for data that carries none (e.g. Megatron's own files). The datasets of a blend must agree."""
+    blend = parse_blend(data_path)
+    paths = [data_path] if blend is None else [p for _, p in blend]
+    found: dict[str, Path] = {}
+    for path in paths:
+        prefix = _as_prefix(path)
+        saved = Path(prefix + ".tokenizer.json") if prefix is not None else None
+        if saved is not None and saved.is_file():
+            found.setdefault(Tokenizer.from_file(saved).fingerprint, saved)
+    if len(found) > 1:
+        raise DataError(
+            f"The datasets of the blend were preprocessed with different tokenizers ({', '.join(map(str, found.values()))}): "
+            "their token ids mean different text. Preprocess them all with one tokenizer (dufu preprocess "
+            "--tokenizer pretrained --tokenizer-path FILE)."
+        )
+    return next(iter(found.values()), None)
 
 
 def _cached_preprocess(data_path: Input, tokenizer: Tokenizer, json_key: str, cache_dir) -> str:

@@ -80,9 +80,8 @@ def _datasets():
         import datasets  # optional (dufu[hf]), and about a second to import
     except ImportError:
         raise DataError(
-            "Reading .parquet / .arrow files and save_to_disk directories needs the `datasets` library, which is "
-            'not installed. Install it with `pip install datasets torch==2.13.0` (or `pip install torch==2.13.0 '
-            '-e ".[hf]"` in a dufu checkout), or convert the data to .jsonl.'
+            "Reading .parquet / .arrow files and save_to_disk directories needs the datasets library, which is "
+            'not installed: pip install "dufu[hf]" torch==2.13.0 (or convert the data to .jsonl).'
         ) from None
     return datasets
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from dufu.engine.reporting.flops import device_peak_flops, matmul_speeds
+from dufu.engine.reporting.flops import DtypeSpeeds, device_peak_flops, matmul_speeds
 
 MIN_SPEEDUP = 1.25
 SETTINGS = ("auto", True, False, "bf16", "fp16")
@@ -81,7 +81,8 @@ def choose_precision(enabled, dtype_name: str, device: torch.device, override_tf
 
     The decision reads matmul speeds measured now, fp32 and the low-precision dtype in alternation (0.8 s; a
     busy machine slows both alike, so their ratio holds where each alone would read low); the MFU basis is the
-    best value ever measured for the dtype in use (these readings included). ``train.peak_tflops``
+    best quiet reading cached for the dtype in use, else this start-up's reading labelled "measured under load:
+    not cached". ``train.peak_tflops``
     (``override_tflops``) sets the MFU basis; with an explicit setting nothing is measured then (and there is no
     slow-choice notice). ``speeds_fn(device, dtypes) -> {dtype: FLOP/s}`` and ``peak_fn(device, dtype,
     override_tflops, remeasure) -> (FLOP/s, source)``: tests pass their own."""
@@ -96,6 +97,8 @@ def choose_precision(enabled, dtype_name: str, device: torch.device, override_tf
     peaks = {"fp32": fp32_speed, NAMES[low]: low_speed}
     measured = (f"{NAMES[low]} matmul {_gflops(low_speed)} vs fp32 {_gflops(fp32_speed)}, "
                 f"{low_speed / fp32_speed:.2f}x")
+    if isinstance(speeds, DtypeSpeeds) and speeds.note:  # under load: one thread, by its CPU time
+        measured += f" ({speeds.note})"
     fast = low_speed >= MIN_SPEEDUP * fp32_speed
     notice = None
     if enabled == "auto":

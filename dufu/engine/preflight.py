@@ -19,9 +19,19 @@ from torch import nn
 from dufu.config import instantiate
 from dufu.delta import apply_delta
 from dufu.engine.weights.checkpoint import Checkpointer
+from dufu.engine.weights.resume_checks import (
+    ResumeRequest,
+    SavedRun,
+    as_request,
+    check_model_shapes,
+    check_saved_settings,
+    choose_checkpoint,
+    keep_saved_global_batch,
+)
 from dufu.engine.distill import check_teacher
 from dufu.engine.resilience.fault_tolerance import check_config as check_fault_tolerance
 from dufu.engine.lr_scheduler import fit_warmup_to_run
+from dufu.engine.run_tokenizer import run_tokenizer
 from dufu.engine.schema import auto_layout_keys
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DufuError, LayoutError
@@ -51,21 +61,31 @@ class RunPlan:
     notices: list[str] = field(default_factory=list)  # one line each, shown in the start-up summary
 
 
-def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
-    """``resume``: False (a new run; output_dir must not hold one), True (the latest complete checkpoint, which
-    must exist), or "auto" (the latest if there is one: elastic restarts). Layout values left ``auto`` must
-    have been resolved by the planner first (:func:`dufu.plan.auto.resolve_auto_layout`; ``dufu train`` does)."""
+def plan_run(cfg, world_size: int, resume: bool | str | Path | ResumeRequest = False) -> RunPlan:
+    """``resume``: False (a new run; output_dir must not hold one), True (the latest complete checkpoint, or step 0
+    when there is none yet), "auto" (the same, for elastic restarts), a :class:`ResumeRequest` (``dufu train
+    --resume-step / --resume-from / --override-saved``), or the Path of a checkpoint whose weights a Runtime
+    starts from (``dufu eval``). A training resume is checked against the saved run before any work
+    (:mod:`dufu.engine.weights.resume_checks`). Layout values left ``auto`` must have been resolved by the planner
+    first (:func:`dufu.plan.auto.resolve_auto_layout`; ``dufu train`` does)."""
     refuse_auto(cfg)
     validate_config(cfg)  # the typed train schema (defaults filled in), then the ranges
     t = cfg.train
     dims = ParallelDims.from_config(t.dist, world_size)
-    batch_sizes = resolve_batch_sizes(t.train_micro_batch_size, t.global_batch_size, t.num_accumulation_steps,
-                                      dims.data_parallel_size)
     resume_from = resume_checkpoint(Path(t.output_dir), resume)
     resume_note = resume_notice(Path(t.output_dir), resume, resume_from)
+    # what the checkpoint's run was: a training resume continues it (not `dufu eval`'s weights from a Path)
+    saved = SavedRun.read(resume_from) if resume_from is not None and not isinstance(resume, Path) else None
+    batch_note = keep_saved_global_batch(cfg, saved, dims.data_parallel_size) if saved else None
+    batch_sizes = resolve_batch_sizes(t.train_micro_batch_size, t.global_batch_size, t.num_accumulation_steps,
+                                      dims.data_parallel_size)
     torch.manual_seed(t.seed)
-    tokenizer = instantiate(cfg.tokenization.tokenizer)
+    tokenizer, tokenizer_note = run_tokenizer(cfg)  # the data's, when it was preprocessed with another
     train_ds, valid_ds = instantiate(with_kwargs(cfg.dataloader.train, tokenizer=tokenizer))  # fills the data cache
+    # A change of schedule, global batch or data against the saved run: refused here, once the data is known to
+    # exist (a missing file is named first), before the model is built or anything is loaded or written.
+    saved_notes = check_saved_settings(cfg, saved, batch_sizes, dims.data_parallel_size, as_request(resume)) \
+        if saved else []
     check_validation_set(cfg, valid_ds, batch_sizes[1])
     if hasattr(train_ds, "order_by_seed"):  # a blend: it is the training order, as long as the run (data.blend)
         train_ds.order_by_seed(t.seed, num_samples=t.train_iter * batch_sizes[1])
@@ -73,6 +93,8 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     # Shapes only: each rank allocates just what it holds after splitting and sharding.
     with torch.device("meta"):
         model = build_model(cfg, tokenizer, seq_length)
+    if saved:  # parameter names and shapes, before anything is allocated or loaded
+        check_model_shapes(model, saved, cfg, delta=model.delta_info is not None)
     stage_ids = validate_layout(dims, model, t.dist, t.zero_optimization, seq_length, batch_sizes[2])
     check_fault_tolerance(cfg, dims)  # train.fault_tolerance: supported combinations, a Lighthouse that answers
     if stage_ids is not None and type(model).pipeline_loss is None:
@@ -88,7 +110,8 @@ def plan_run(cfg, world_size: int, resume: bool | str = False) -> RunPlan:
     scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
     # A delta run's checkpoints hold only the delta: its base is read from its source on every start.
     base_from = None if model.delta_info is not None else resume_from
-    notices = [n for n in (resume_note, notice, selective_checkpoint_notice(t.dist, t.activation_checkpoint)) if n]
+    notices = [n for n in (resume_note, tokenizer_note, batch_note, *saved_notes, notice,
+                           selective_checkpoint_notice(t.dist, t.activation_checkpoint)) if n]
     return RunPlan(dims, batch_sizes, resume_from, tokenizer, train_ds, valid_ds, seq_length, model, stage_ids,
                    pretrained_weights(model, base_from), scheduler, notices)
 
@@ -103,11 +126,12 @@ def refuse_auto(cfg) -> None:
                           "yourself, call dufu.plan.auto.resolve_auto_layout(cfg, world_size) first.")
 
 
-def preflight(cfg, world_size: int, resume: bool | str = False) -> None:
+def preflight(cfg, world_size: int, resume: bool | str | Path | ResumeRequest = False) -> None:
     """Every start-up check that needs no process group, for ``world_size`` processes: run by
     ``dufu train --nproc`` before it starts any worker, so a bad config fails once, readably."""
     plan = plan_run(cfg, world_size, resume)
-    if resume is True:
+    request = None if isinstance(resume, Path) else as_request(resume)  # a Path was verified when planned
+    if plan.resume_from is not None and request is not None and not request.if_exists:
         # Verify the checkpoint here, once, before any worker starts: a damaged file is then one clear error.
         Checkpointer(plan.resume_from.parent).verify(plan.resume_from)
 
@@ -176,18 +200,20 @@ def build_model(cfg, tokenizer, seq_length: int) -> nn.Module:
     return model
 
 
-def resume_checkpoint(output_dir: Path, resume: bool | str) -> Optional[Path]:
+def resume_checkpoint(output_dir: Path, resume) -> Optional[Path]:
     """The checkpoint a run continues from (see :func:`plan_run`), or None for a new run. A path: that checkpoint
-    (``dufu eval``), which must be complete. ``--resume`` with no complete checkpoint yet (the first attempt of
-    a restartable job script was killed before its first save) starts at step 0, as Megatron's ``--load``,
-    torchtitan and LiBai do; :func:`resume_notice` says so. A checkpoint that exists but is corrupt, partial or
-    of another model fails when it is loaded, as before."""
+    (``dufu eval``), which must be complete. A resume: the checkpoint it names (``--resume-step``,
+    ``--resume-from``), else the newest complete one; with none yet (the first attempt of a restartable job script
+    was killed before its first save) the run starts at step 0, as Megatron's ``--load``, torchtitan and LiBai
+    do, and :func:`resume_notice` says so. A checkpoint that exists but is corrupt or partial fails when it is
+    verified, naming the others."""
     if isinstance(resume, Path):
         Checkpointer(resume.parent).verify(resume)
         return resume
+    request = as_request(resume)
+    if request is not None:
+        return choose_checkpoint(output_dir, request)
     latest = Checkpointer(output_dir / "checkpoints").latest()
-    if resume:  # True (--resume) or "auto" (restarts): the newest complete checkpoint, or step 0 if there is none
-        return latest
     if latest is not None or (output_dir / "metrics.jsonl").exists():
         raise DufuError(
             f"train.output_dir '{output_dir}' already holds a run"
@@ -198,9 +224,10 @@ def resume_checkpoint(output_dir: Path, resume: bool | str) -> Optional[Path]:
 
 
 def resume_notice(output_dir: Path, resume, resume_from: Optional[Path]) -> str:
-    """The start-up line for ``--resume`` that found no complete checkpoint (``resume=True`` only: a restart
-    through ``--max-restarts`` that has none yet is the first attempt again, nothing to say)."""
-    if resume is True and resume_from is None:
+    """The start-up line for ``--resume`` that found no complete checkpoint (not for ``--resume-if-exists``: a
+    restart through ``--max-restarts`` that has none yet is the first attempt again, nothing to say)."""
+    request = as_request(resume) if not isinstance(resume, Path) else None
+    if request is not None and not request.if_exists and resume_from is None:
         return (f"--resume: {output_dir / 'checkpoints'} holds no complete checkpoint yet, so this run starts at "
                 "step 0")
     return ""

@@ -115,7 +115,9 @@ class Generation:
 class Dist:
     """The parallel layout. A size of -1 is inferred from the world size; "auto" lets `dufu plan` choose."""
 
-    data_parallel_size: int | Auto = 1
+    # -1: every process the job has that tensor, context and pipeline parallelism leave (torchtitan's default), so
+    # `dufu train CONFIG --nproc N` alone trains data parallel.
+    data_parallel_size: int | Auto = -1
     tensor_parallel_size: int | Auto = 1
     pipeline_parallel_size: int | Auto = 1
     # Mixture-of-experts models: their experts split over this many data-parallel ranks (it divides

@@ -29,6 +29,7 @@ from dufu.engine.reporting import report
 from dufu.engine.resilience import fault_tolerance, faults
 from dufu.engine.batch import local_scalar
 from dufu.engine.weights.checkpoint import Checkpointer
+from dufu.engine.weights.resume_checks import as_request, set_aside_later_checkpoints
 from dufu.engine.hooks import Hooks, RetryStep
 from dufu.engine.resilience.preemption import Preemption, clear_marker, write_marker
 from dufu.engine.preflight import with_kwargs
@@ -52,11 +53,13 @@ def training_sampler(runtime) -> ResumableBatchSampler:
 
 class Trainer:
     """``resume``: False (a new run; output_dir must not hold one), True (continue from the latest
-    complete checkpoint), or "auto" (resume if there is a checkpoint, else start over: elastic restarts).
+    complete checkpoint), "auto" (resume if there is a checkpoint, else start over: elastic restarts), or a
+    :class:`~dufu.engine.weights.resume_checks.ResumeRequest` (a named checkpoint, settings allowed to change).
     ``hooks``: :class:`dufu.engine.hooks.Hook` objects, called after dufu's own and ``train.hooks``."""
 
-    def __init__(self, cfg, resume: bool | str = False, log=print, notices=(), hooks=()):
+    def __init__(self, cfg, resume=False, log=print, notices=(), hooks=()):
         self.runtime = rt = Runtime(cfg, resume, log=log, notices=notices)
+        self.resume_request = as_request(resume)
         self.cfg, self.log = cfg, rt.log
         t = cfg.train
         with rt._phase("optimizer"):
@@ -71,7 +74,7 @@ class Trainer:
         self.skipped_steps = 0  # updates dropped for a non-finite gradient under nan_policy="skip"
         self.activity = "before the first step"  # where the loop is, for DistributedFailure messages
         self.eval_enabled = bool(t.evaluation.enabled) and rt.valid_ds is not None
-        self.preemption, self.preempted = Preemption(t.preemption.enabled), None  # SIGTERM, SIGUSR1
+        self.preemption, self.preempted = Preemption(t.preemption.enabled, self.checkpointer), None  # SIGTERM/USR1/INT
         # dufu's own hooks first (the replica groups outermost: their step start comes first, their
         # after-points last), then the config's, then the caller's.
         own = [fault_tolerance.replica_groups(self), faults.training_faults(), rt.moe if rt.moe else None]
@@ -200,11 +203,14 @@ class Trainer:
         """Run the loop; in a multi-process job a failed or timed-out collective becomes an error that names
         this rank and step (another rank died or hangs) instead of a hang or a wall of traceback."""
         rt = self.runtime
-        if rt.world_size == 1:
-            return self._train()
-        with diagnose.collective_failures(rt.rank, lambda: self.activity, self.cfg.train.dist.timeout_minutes,
-                                          rt.health_group):
-            return self._train()
+        try:
+            if rt.world_size == 1:
+                return self._train()
+            with diagnose.collective_failures(rt.rank, lambda: self.activity, self.cfg.train.dist.timeout_minutes,
+                                              rt.health_group):
+                return self._train()
+        finally:
+            self.preemption.restore()  # Ctrl-C after the run (a notebook, a test process) is the caller's again
 
     def _train(self) -> dict:
         t = self.cfg.train
@@ -248,6 +254,10 @@ class Trainer:
             self.load_checkpoint(rt.resume_from)
             self.log(f"resumed from {rt.resume_from} (step {self.step})")
         if rt.is_main:
+            if rt.resume_from is not None:  # --resume-step / --resume-from an earlier step than the newest
+                moved = set_aside_later_checkpoints(self.checkpointer.root, self.step)
+                if moved:
+                    self.log(moved)
             rt.output_dir.mkdir(parents=True, exist_ok=True)
             clear_marker(rt.output_dir)  # an earlier attempt's preemption is over
             LazyConfig.save(self.cfg, rt.output_dir / "config.yaml")
@@ -325,7 +335,11 @@ class Trainer:
         state = self.checkpointer.load(path, self.runtime.model_parts, self.optimizers)
         self.step = int(state["step"])
         self.set_schedule_step(int(state["scheduler"]["last_epoch"]))
-        self.sampler.load_state_dict(state["sampler"])
+        sampler = state["sampler"]
+        if self.resume_request is not None and self.resume_request.overrides_data():
+            # --override-saved of a data setting: the new data's order, from the saved position in it
+            sampler = {"consumed_samples": sampler["consumed_samples"]}
+        self.sampler.load_state_dict(sampler)
         torch.set_rng_state(state["rng_cpu"])
         if self.device.type == "cuda" and "rng_cuda" in state:
             torch.cuda.set_rng_state(state["rng_cuda"], self.device)

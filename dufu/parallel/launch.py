@@ -53,6 +53,26 @@ def finish_distributed(exit_code: int = 0) -> None:
     os._exit(exit_code)
 
 
+def exit_process(code) -> None:
+    """Leave the process with ``code`` (an int, or what ``SystemExit`` carries), never through the interpreter's
+    finalization while a process group lives.
+
+    Gloo's worker threads can still hold finished collectives' tensors when the interpreter is torn down; freeing
+    them then takes the GIL of a dying interpreter, and the rank aborts (SIGABRT) after its work, or after it
+    printed its error. Every failure path of a worker (an error reported with exit code 2, an uncaught exception)
+    therefore ends like a success (:func:`finish_distributed`): output flushed, then ``os._exit``. A process
+    without a process group exits normally."""
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    if dist.is_available() and dist.is_initialized():
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def torchrun_command(nproc: int, argv: list[str], nnodes: str | None = None, node_rank: int | None = None,
                      master_addr: str | None = None, master_port: int | None = None,
                      max_restarts: int | None = None, command: str = "train",

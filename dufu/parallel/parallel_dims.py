@@ -60,9 +60,11 @@ class ParallelDims:
                 )
         inferred = [n for n, v in sizes.items() if v == -1]
         if len(inferred) > 1:
+            default = (" (data_parallel_size is -1 by default: it takes the processes the other sizes leave)"
+                       if "data_parallel_size" in inferred else "")
             raise LayoutError(
-                f"train.dist: only one size may be -1 (inferred), but {', '.join(inferred)} all are. "
-                "Set all but one of them explicitly."
+                f"train.dist: only one size may be -1 (inferred), but {', '.join(inferred)} all are{default}. "
+                f"Set all but one of them explicitly, e.g. train.dist.{inferred[0]}=1."
             )
         known = 1
         for n, v in sizes.items():
@@ -82,8 +84,9 @@ class ParallelDims:
         if product != self.world_size:
             raise LayoutError(
                 f"the parallel sizes do not multiply to the world size: {self._arith(sizes)} = {product}, "
-                f"but WORLD_SIZE is {self.world_size}. Launch {product} processes (dufu train ... --nproc {product}), "
-                "or change train.dist.* (a size of -1 is inferred from the world size)."
+                f"but WORLD_SIZE is {self.world_size}. Launch {product} process{'es' if product != 1 else ''} "
+                f"(dufu train ... --nproc {product}), or change train.dist.* (a size of -1 is inferred from the "
+                "world size; data_parallel_size=-1, the default, takes the processes the other sizes leave)."
             )
         ep = self.expert_parallel_size
         if not isinstance(ep, int) or isinstance(ep, bool) or ep < 1:

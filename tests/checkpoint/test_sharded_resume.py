@@ -90,7 +90,7 @@ def test_stop_at_iter_writes_a_complete_checkpoint_and_says_how_to_continue(jobs
     Checkpointer(b.output_dir / "checkpoints").verify(b.output_dir / "checkpoints" / STEP5)
     assert sorted(train_records(b.output_dir)) == [1, 2, 3, 4, 5]
     assert "stopped at step 5 of 10: train.stop_at_iter=5" in b.stdout
-    assert f"dufu train {b.output_dir / 'config.yaml'} --resume" in b.stdout
+    assert f"dufu train {b.output_dir / 'config.yaml'} --nproc 4 --resume" in b.stdout
     # The schedule is still the 10-step one: same losses and learning rates as run A so far.
     assert_losses_match(b.output_dir, reference.losses, range(1, 6))
     ref = train_records(reference.output_dir)
@@ -145,4 +145,4 @@ def test_stop_after_minutes_stops_every_rank_after_the_first_step(jobs):
     for r in range(2):
         assert torch.load(ckpt / f"rank_{r:05d}.pt", weights_only=True)["step"] == 1
     assert "stopped at step 1 of 10: train.stop_after_minutes=" in proc.stdout
-    assert f"dufu train {out / 'config.yaml'} --resume" in proc.stdout
+    assert f"dufu train {out / 'config.yaml'} --nproc 2 --resume" in proc.stdout

@@ -111,7 +111,7 @@ def test_prefix_vocab_mismatch(tmp_path, text_dir):
         build_lm_datasets(prefix, build_tokenizer("byte"), seq_length=16)
 
 
-def test_prefix_tokenizer_mismatch_warns(tmp_path, byte_tok):
+def test_prefix_tokenizer_mismatch_is_refused(tmp_path, byte_tok):
     prefix = preprocess("builtin", tmp_path / "ds", byte_tok, show_progress=False)
     byte_tok.save(prefix + ".tokenizer.json")
     with warnings.catch_warnings():
@@ -119,7 +119,7 @@ def test_prefix_tokenizer_mismatch_warns(tmp_path, byte_tok):
         build_lm_datasets(prefix, byte_tok, seq_length=16)
     other = build_tokenizer("bpe", vocab_size=300)
     other.save(prefix + ".tokenizer.json")
-    with pytest.warns(UserWarning, match="differs from the tokenizer in use"):
+    with pytest.raises(DataError, match=r"differs from the tokenizer in use .*tokenization.tokenizer.path="):
         build_lm_datasets(prefix, byte_tok, seq_length=16)
 
 

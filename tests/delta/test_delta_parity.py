@@ -121,7 +121,8 @@ def test_lora_checkpoint_holds_only_the_delta_and_resumes_in_another_layout(refe
     assert_matches_reference(out, reference, "lora saved at tp2, resumed at pp2")
 
     # a delta belongs to its base: another seed is another base, and the resume says so
-    other = launch.run(launch.train_command(config, out, 1, *PARITY_ARGS, *overrides, "train.seed=7", "--resume"),
+    other = launch.run(launch.train_command(config, out, 1, *PARITY_ARGS, *overrides, "train.seed=7", "--resume",
+                                                  "--override-saved", "train.seed"),
                        output_dir=out)
     assert other.returncode != 0
     # the error is wrapped at 100 columns, where the line breaks depends on the temporary path's length

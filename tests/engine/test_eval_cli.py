@@ -1,5 +1,5 @@
-"""`dufu eval`: a run's, a checkpoint's or a Hugging Face directory's validation numbers, the same as the run logged
-and the same in every layout."""
+"""`dufu eval`: a run's, a checkpoint's or a Hugging Face directory's validation numbers, by default the batches and
+the eval_loss the run logged, and the same in every layout."""
 
 from __future__ import annotations
 
@@ -19,19 +19,35 @@ def _logged_eval(run_dir, step: int) -> dict:
 
 
 def test_eval_equals_the_runs_own_evaluation(debug_run):
-    """The session's run evaluates 2 global batches at steps 5 and 10: `dufu eval --eval-iter 2` gives the same
-    loss, read from the newest checkpoint; the step-5 checkpoint gives that step's."""
+    """The session's run evaluates train.evaluation.eval_iter=2 global batches at steps 5 and 10: `dufu eval`
+    evaluates the same batches by default and gives the same loss, read from the newest checkpoint; the step-5
+    checkpoint gives that step's. --whole-split evaluates every whole batch of the split instead."""
     logged = _logged_eval(debug_run.output_dir, 10)
-    got = evaluate_source(str(debug_run.output_dir), eval_iter=2)
-    assert got["step"] == 10 and got["eval_samples"] == logged["eval_samples"]
+    got = evaluate_source(str(debug_run.output_dir))
+    assert got["step"] == 10 and got["batches"] == 2 and got["eval_samples"] == logged["eval_samples"]
     assert got["eval_loss"] == pytest.approx(logged["eval_loss"], abs=1e-6)
     assert got["eval_ppl"] == pytest.approx(logged["eval_ppl"], rel=1e-5)
-    early = evaluate_source(str(debug_run.output_dir / "checkpoints" / "step_0000005"), eval_iter=2)
+    early = evaluate_source(str(debug_run.output_dir / "checkpoints" / "step_0000005"))
     assert early["step"] == 5
     assert early["eval_loss"] == pytest.approx(_logged_eval(debug_run.output_dir, 5)["eval_loss"], abs=1e-6)
-    # by default every whole global batch of the validation split
-    whole = evaluate_source(str(debug_run.output_dir))
+    assert evaluate_source(str(debug_run.output_dir), eval_iter=2)["eval_loss"] == got["eval_loss"]
+    whole = evaluate_source(str(debug_run.output_dir), whole_split=True)
     assert whole["batches"] * whole["global_batch_size"] == whole["eval_samples"] > got["eval_samples"]
+    assert whole["batches_chosen_by"] == "all of it"
+
+
+@pytest.mark.parametrize("checkpoint, step", [("", 10), ("checkpoints/step_0000005", 5)])
+def test_dufu_eval_prints_the_logged_eval_loss_of_the_checkpoints_step(debug_run, capsys, checkpoint, step):
+    """`dufu eval RUN` with no option prints, to its 4 decimals, the eval_loss the run logged at the step of the
+    checkpoint it reads, and says which batches it took."""
+    logged = _logged_eval(debug_run.output_dir, step)
+    capsys.readouterr()
+    assert cli_main(["eval", str(debug_run.output_dir / checkpoint)]) == 0
+    out = capsys.readouterr().out
+    assert f"(dufu checkpoint, step {step})" in out
+    printed = float(next(line for line in out.splitlines() if line.strip().startswith("eval_loss")).split()[1])
+    assert printed == pytest.approx(logged["eval_loss"], abs=5.1e-5)  # printed with 4 decimals
+    assert "train.evaluation.eval_iter=2, as training evaluates; --whole-split:" in out
 
 
 def test_eval_of_the_exported_hf_directory_and_of_a_file(debug_run, tmp_path, capsys):
@@ -61,6 +77,10 @@ def test_eval_errors_say_what_to_do(debug_run, tmp_path):
         evaluate_source(str(debug_run.output_dir), config="gpt_debug")
     with pytest.raises(ConfigError, match="--eval-iter 0"):
         evaluate_source(str(debug_run.output_dir), eval_iter=0)
+    with pytest.raises(ConfigError, match="--eval-iter 3 and --whole-split ask for two different amounts"):
+        evaluate_source(str(debug_run.output_dir), eval_iter=3, whole_split=True)
+    with pytest.raises(ConfigError, match="--data FILE evaluates all of the file already"):
+        evaluate_source(str(debug_run.output_dir), data=str(tmp_path / "notes.txt"), whole_split=True)
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="config.yaml"):
         evaluate_source(str(tmp_path / "empty"))

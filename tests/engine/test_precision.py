@@ -101,10 +101,12 @@ def test_the_start_up_measurement_alternates_the_dtypes_and_records_the_best(mon
 
     monkeypatch.setenv("DUFU_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("DUFU_PEAK_TFLOPS", raising=False)
+    monkeypatch.setattr(flops, "_UNCACHED", {})
     speeds = flops.matmul_speeds(CPU, (torch.float32, torch.bfloat16), size=256, seconds=0.05)
     assert set(speeds) == {torch.float32, torch.bfloat16} and all(v > 0 for v in speeds.values())
-    for dtype, flop_s in speeds.items():  # recorded: the cached best is at least this reading
-        assert flops.device_peak_flops(CPU, dtype, remeasure=False)[0] >= flop_s
+    for dtype in speeds:  # recorded: a quiet reading in the cache, one under load for this run only, labelled
+        peak, source = flops.device_peak_flops(CPU, dtype, remeasure=False)
+        assert peak > 0 and ("best quiet" in source or "measured under load: not cached" in source)
 
 
 @pytest.mark.parametrize("override, value", [("train.amp.enabled=auto", "auto"), ("train.amp.enabled=bf16", "bf16"),

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from dufu.layers.attention import Attention
 from dufu.parallel.context_parallel import ContextParallel, apply_context_parallel
+from dufu.parallel.launch import finish_distributed
 
 T, B, C = 16, 2, 32
 # name: (causal, num_key_value_heads, mask kind)
@@ -84,7 +85,7 @@ def main(out_dir: str) -> None:
     dist.all_gather_object(gathered, worst)
     if rank == 0:
         Path(out_dir, "errors.json").write_text(json.dumps(gathered, indent=1))
-    dist.destroy_process_group()
+    finish_distributed()  # not destroy_process_group: gloo's teardown can abort a finished rank
 
 
 if __name__ == "__main__":

@@ -170,6 +170,26 @@ def test_good_layouts_pass_preflight(world_size, overrides, tmp_path):
     check(tmp_path, world_size, *overrides)
 
 
+@pytest.mark.parametrize("world_size, overrides, expected", [
+    (2, [], "dp 2 x tp 1 x pp 1 = 2 processes"),  # `dufu train gpt_debug --nproc 2` alone: data parallel
+    (4, [f"{TP}=2"], "dp 2 x tp 2 x pp 1 = 4 processes"),
+    (1, [], "dp 1 x tp 1 x pp 1 = 1 process"),
+])
+def test_data_parallel_takes_the_processes_left_by_default(world_size, overrides, expected, tmp_path):
+    from dufu.engine.preflight import plan_run
+
+    cfg = load_config("gpt_debug", [*overrides, f"train.output_dir={tmp_path / 'run'}"])
+    assert cfg.train.dist.data_parallel_size == -1
+    assert plan_run(cfg, world_size).dims.describe() == expected
+
+
+def test_two_inferred_sizes_name_the_default():
+    with pytest.raises(LayoutError) as info:
+        ParallelDims(data_parallel_size=-1, tensor_parallel_size=-1, world_size=4)
+    assert "data_parallel_size is -1 by default" in str(info.value)
+    assert "train.dist.data_parallel_size=1" in str(info.value)
+
+
 def test_minus_one_is_inferred():
     dims = ParallelDims(data_parallel_size=-1, tensor_parallel_size=2, pipeline_parallel_size=2, world_size=8)
     assert (dims.data_parallel_size, dims.describe()) == (2, "dp 2 x tp 2 x pp 2 = 8 processes")

@@ -28,6 +28,15 @@ def test_one_layout_breakdown(capsys):
         assert words in out
 
 
+def test_gpus_alone_trains_data_parallel(capsys):
+    """A recipe that sets no layout is planned data parallel over every device, as `dufu train --nproc N` runs it."""
+    code, out, err = plan(capsys, "gpt_debug", *GPT30M, "--gpus", "8", "--gpu", "h100-80gb", "--json")
+    assert code == 0, err
+    best = json.loads(out)["layouts"][0]
+    assert (best["data_parallel_size"], best["tensor_parallel_size"], best["pipeline_parallel_size"]) == (8, 1, 1)
+    assert "--nproc 1" not in out + err
+
+
 def test_json_search_and_plot(capsys, tmp_path):
     png = tmp_path / "memory.png"
     code, out, err = plan(capsys, "gpt_debug", *GPT30M, *AUTO, "--gpus", "4", "--gpu", "h100-80gb", "--json",

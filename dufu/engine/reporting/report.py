@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -13,6 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from dufu.engine.inference.generate import generate
+from dufu.engine.resilience.preemption import resume_command_here
 from dufu.engine.reporting.flops import count_matmul_params, flops_per_token
 from dufu.engine.reporting.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
 from dufu.parallel.data_parallel import describe_zero_stage
@@ -247,9 +249,9 @@ class RunLog:
         tr = rt = self.runtime
         step = self.trainer.step
         self.close()
-        if stop_reason:
+        if stop_reason:  # the command as this job was started: one process, or --nproc N (and --nnodes)
             tr.log(f"stopped at step {step} of {self.train_iter}: {stop_reason}. The checkpoint is complete; "
-                   f"continue with: dufu train {tr.output_dir / 'config.yaml'} --resume")
+                   f"continue with: {resume_command_here(tr.output_dir)}")
         elapsed = time.perf_counter() - self.t_start
         summary = {"steps": step - self.start_step, "seconds": elapsed, "final_step": step}
         texts = samples()
@@ -267,6 +269,8 @@ class RunLog:
         for key in ("eval_loss", "eval_ppl", "eval_accuracy"):
             if evals and key in evals[0] and key in evals[-1]:
                 summary[f"{key}_start"], summary[f"{key}_end"] = evals[0][key], evals[-1][key]
+        if evals:
+            summary["eval_steps"] = (evals[0]["step"], evals[-1]["step"])
         summary.setdefault("eval_ppl_start", None)
         summary.setdefault("eval_ppl_end", None)
         plot_loss_curve(tr.output_dir / "metrics.jsonl", tr.output_dir / "loss.png",
@@ -288,16 +292,48 @@ def summary_text(s: dict, output_dir) -> str:
                      f"{100 * s['eval_accuracy_end']:.1f}%")
         lines.append(f"  validation loss      {s['eval_loss_start']:.4f} -> {s['eval_loss_end']:.4f}")
     elif s.get("eval_ppl_start") is not None:
-        ratio = s["eval_ppl_start"] / s["eval_ppl_end"]
-        lines.append(f"  validation ppl       {s['eval_ppl_start']:.1f} -> {s['eval_ppl_end']:.2f}  ({ratio:.1f}x lower)")
+        steps = s.get("eval_steps")
+        if steps is not None and steps[0] == steps[1]:  # one evaluation: nothing to compare
+            lines.append(f"  validation ppl       {s['eval_ppl_end']:.2f} (step {steps[1]}, the only evaluation)")
+        else:
+            lines.append(f"  validation ppl       {s['eval_ppl_start']:.1f} -> {s['eval_ppl_end']:.2f}  "
+                         f"({change(s['eval_ppl_start'], s['eval_ppl_end'])})")
     if s.get("mean_tokens_per_s"):
         lines.append(f"  throughput           {s['mean_tokens_per_s']:,.0f} tokens/s, MFU {100 * (s['mean_mfu'] or 0):.1f}%")
-    lines.append(f"  written to           {output_dir}/ (config.yaml, metrics.jsonl, loss.png, tensorboard/, checkpoints/)")
+    written = written_files(output_dir)
+    lines.append(f"  written to           {output_dir}/" + (f" ({', '.join(written)})" if written else ""))
     for prompt, text in s.get("samples", []):
         lines.append("-" * 72)
         lines.append(f"{prompt}\u2502{text}")
     lines.append("=" * 72)
     return "\n".join(lines)
+
+
+def change(start: float, end: float) -> str:
+    """How a value that should fall (perplexity) moved: ``10.0x lower``, ``1.3x higher``, and in percent when the
+    factor is under 1.1 (``3.2% lower``)."""
+    if end == start:
+        return "unchanged"
+    word = "lower" if end < start else "higher"
+    factor = max(start, end) / min(start, end) if min(start, end) > 0 else float("inf")
+    if factor >= 1.1:
+        return f"{factor:.1f}x {word}"
+    return f"{100 * abs(end - start) / start:.1f}% {word}"
+
+
+# What a run writes into its output_dir, in the order the summary names them (any other entry follows, sorted).
+RUN_FILES = ("config.yaml", "metrics.jsonl", "loss.png", "tokenizer.json", "tensorboard", "checkpoints")
+
+
+def written_files(output_dir) -> list[str]:
+    """The entries of ``output_dir`` as the summary lists them (a directory with a trailing /): what is there,
+    not what a run may write (no tensorboard/ without train.tensorboard, no checkpoints/ without a save)."""
+    root = Path(output_dir)
+    if not root.is_dir():
+        return []
+    present = {p.name: p.is_dir() for p in root.iterdir() if not p.name.startswith(".")}
+    order = [n for n in RUN_FILES if n in present] + sorted(n for n in present if n not in RUN_FILES)
+    return [f"{n}/" if present[n] else n for n in order]
 
 
 def sample_text(runtime) -> list[tuple[str, str]]:

@@ -29,6 +29,7 @@ cross-group all-reduces (counted at the Manager's all-reduce, whatever calls it)
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -79,6 +80,9 @@ def check_config(cfg, dims) -> None:
     ft = settings(cfg)
     if ft is None:
         return
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError('train.fault_tolerance.enabled=True needs torchft, which is not installed: '
+                          'pip install "dufu[ft]" torch==2.13.0')
     t = cfg.train
     mode, size, gid = ft.mode, ft.replica_parallel_size, ft.replica_group_id
     if mode not in MODES:

@@ -6,6 +6,8 @@
 * ``hang:R:S``          rank R sleeps forever at the start of step S (a hung worker)
 * ``kill_in_save:R:S``  rank R SIGKILLs its whole job in the middle of writing the step-S checkpoint
                         (after the shards are written, before the checkpoint is committed)
+* ``hang_in_save:R:S``  rank R sleeps forever at that point of every checkpoint from step S on (a save that a
+                        second Ctrl-C abandons)
 * ``nan:R:S``           rank R's loss becomes NaN at step S
 * ``kill:R:S``          rank R is killed with SIGKILL at the start of step S (a lost process)
 * ``kill_node:R:S``     rank R SIGKILLs its torchrun agent and itself at the start of step S (a lost node: the
@@ -76,6 +78,10 @@ def in_save(step: int) -> None:
         if parent:
             os.kill(parent, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
+    rank = os.environ.get("RANK", "0")
+    if any(k == "hang_in_save" and step >= s and r in ("*", rank) for k, r, s in _faults()):
+        while True:
+            time.sleep(3600)
 
 
 class TrainingFaults(Hook):

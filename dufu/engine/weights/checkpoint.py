@@ -89,6 +89,18 @@ def _barrier():
         dist.barrier()
 
 
+def _remove(path: Path) -> None:
+    """Delete a committed checkpoint so that no moment leaves it half there: it is first renamed out of the
+    ``step_N`` names (one atomic rename), then deleted; a process stopped in between leaves a ``.deleting``
+    directory that no resume takes, removed by the next save's clean-up of leftovers."""
+    doomed = path.with_name(f".{path.name}.deleting")
+    if doomed.exists():
+        shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    _fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -106,6 +118,23 @@ def _fsync_dir(path: Path) -> None:
             os.close(fd)
     except OSError:
         pass
+
+
+def describe_steps(steps: list[int], most: int = 8) -> str:
+    """"2, 4, 6" (the last ``most`` of them, after "..." when there are more)."""
+    shown = [str(s) for s in steps[-most:]]
+    return ("..., " if len(steps) > most else "") + ", ".join(shown)
+
+
+def other_checkpoints(path: Path) -> str:
+    """The end of a damaged checkpoint's message: the other complete checkpoints beside it and how to resume one."""
+    path = Path(path)
+    steps = [s for s, p in Checkpointer(path.parent).complete_checkpoints() if p.name != path.name]
+    if not steps:
+        return (f"{path.parent} holds no other complete checkpoint: resume another run's with `dufu train ... "
+                "--resume-from CHECKPOINT_DIR`, or start over.")
+    return (f"Resume another checkpoint with `dufu train ... --resume-step N` (or --resume-from CHECKPOINT_DIR); "
+            f"complete ones in {path.parent}: steps {describe_steps(steps)}.")
 
 
 def _describe_load_failure(path: Path, e: BaseException) -> str:
@@ -174,6 +203,8 @@ class Checkpointer:
         if self.rank == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)
+            for leftover in self.root.glob(".step_*.deleting"):  # a deletion a stopped process left halfway
+                shutil.rmtree(leftover, ignore_errors=True)
             tmp.mkdir(parents=True)
         _barrier()
         model_sd, optim_sd, _ = _state_dicts(_as_list(model), _as_list(optimizer), self.options)
@@ -228,7 +259,7 @@ class Checkpointer:
                 os.fsync(f.fileno())
             _fsync_dir(tmp)
             if final.exists():  # re-saving the same step (e.g. after a resume): replace it whole
-                shutil.rmtree(final)
+                _remove(final)
             os.rename(tmp, final)
             _fsync_dir(self.root)
             self._prune()
@@ -239,13 +270,13 @@ class Checkpointer:
             return
         ckpts = self.complete_checkpoints()
         for _, path in ckpts[: -self.max_to_keep]:
-            shutil.rmtree(path, ignore_errors=True)
+            _remove(path)
 
     # ------------------------------------------------------------------- load
-    def verify(self, path: Path, share: tuple[int, int] = (0, 1)) -> dict:
+    def verify(self, path: Path, share: tuple[int, int] = (0, 1), only: Optional[set] = None) -> dict:
         """Check a checkpoint against its manifest: every file present with its size, and the SHA-256 of the
         files in this process's ``share`` = (index, count) of them (all by default; the ranks of a job split
-        the hashing, see :meth:`verify_together`). Returns the manifest."""
+        the hashing, see :meth:`verify_together`), or of the files named in ``only``. Returns the manifest."""
         path = Path(path)
         if not path.is_dir():
             raise CheckpointError(f"checkpoint {path} does not exist. Check the path, or omit it to use the latest one.")
@@ -253,26 +284,29 @@ class Checkpointer:
         if not manifest_path.is_file():
             raise CheckpointError(
                 f"checkpoint {path} is incomplete: it has no {MANIFEST} (the save did not finish). "
-                "Resume from an earlier checkpoint, or delete this directory."
+                f"{other_checkpoints(path)} Or delete this directory."
             )
         try:
             manifest = json.loads(manifest_path.read_text())
         except ValueError as e:
-            raise CheckpointError(f"checkpoint manifest {manifest_path} is corrupt ({e}). Use an earlier checkpoint.") from None
+            raise CheckpointError(
+                f"checkpoint manifest {manifest_path} is corrupt ({e}). {other_checkpoints(path)}") from None
         for i, (name, info) in enumerate(sorted(manifest["files"].items())):
             f = path / name
             if not f.is_file():
-                raise CheckpointError(f"checkpoint file {f} is missing (listed in {MANIFEST}). Use an earlier checkpoint.")
+                raise CheckpointError(
+                    f"checkpoint file {f} is missing (listed in {MANIFEST}). {other_checkpoints(path)}")
             size = f.stat().st_size
             if size != info["bytes"]:
                 raise CheckpointError(
                     f"checkpoint file {f} is truncated or changed: {size} bytes, the manifest says {info['bytes']}. "
-                    "Use an earlier checkpoint."
+                    f"{other_checkpoints(path)}"
                 )
-            if i % share[1] == share[0] and _sha256(f) != info["sha256"]:
+            mine = i % share[1] == share[0] if only is None else name in only
+            if mine and _sha256(f) != info["sha256"]:
                 raise CheckpointError(
                     f"checkpoint file {f} is corrupt: its SHA-256 checksum does not match the manifest. "
-                    "Use an earlier checkpoint."
+                    f"{other_checkpoints(path)}"
                 )
         return manifest
 

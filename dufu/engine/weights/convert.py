@@ -21,7 +21,7 @@ from dufu.delta.lora import lora_layers
 from dufu.delta.spec import apply_delta
 from dufu.engine.delta_run import load_delta_run
 from dufu.engine.weights.checkpoint import Checkpointer
-from dufu.engine.weights.pretrained import save_pretrained
+from dufu.engine.weights.pretrained import give_default_mode, save_pretrained
 from dufu.errors import CheckpointError, DufuError
 from dufu.models import hub
 
@@ -69,7 +69,7 @@ def to_hf(checkpoint: str | Path, out_dir: str | Path, merge: bool = False) -> P
         return delta_to_hf(ckpt, cfg, model, Path(out_dir), merge)
     state = Checkpointer(ckpt.parent).consolidated_model_state(ckpt)
     out_dir = Path(out_dir)
-    hub.save_pretrained(model, out_dir, state_dict=state)
+    save_pretrained(model, out_dir, state_dict=state)
     _finish_hf_dir(ckpt, out_dir)
     return out_dir
 
@@ -90,6 +90,7 @@ def delta_to_hf(ckpt: Path, cfg, model, out_dir: Path, merge: bool = False) -> P
                                   "(its fingerprint differs): the adapter would name another base.")
         state = Checkpointer(ckpt.parent).consolidated_model_state(ckpt)  # the delta only
         peft.save_adapter(model, out_dir, state_dict=state, base=base)
+        give_default_mode(out_dir / peft.ADAPTER_WEIGHTS)
     else:
         full = load_delta_run(ckpt)  # the base from its source or seed, the delta on top
         if merge:
@@ -99,6 +100,7 @@ def delta_to_hf(ckpt: Path, cfg, model, out_dir: Path, merge: bool = False) -> P
         written = hub.write_hf_model(full, out_dir / "base", peft.base_state_dict(full))
         _finish_hf_dir(ckpt, written)
         peft.save_adapter(full, out_dir, base=written)
+        give_default_mode(written / "model.safetensors", out_dir / peft.ADAPTER_WEIGHTS)
     tokenizer = ckpt.parent.parent / "tokenizer.json"
     if tokenizer.is_file():
         shutil.copyfile(tokenizer, out_dir / "tokenizer.json")

@@ -17,6 +17,7 @@ run (``output_dir``, ``output_dir/checkpoints`` or ``.../step_N``), read through
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -230,9 +231,25 @@ def save_pretrained(model: nn.Module, path: str | Path, state_dict: Optional[dic
     sd = state_dict if state_dict is not None else {k: v.detach().cpu() for k, v in model.state_dict().items()}
     if lora_layers(model):
         if not merge:
-            return peft.save_adapter(model, path, sd, base=base)
+            out = peft.save_adapter(model, path, sd, base=base)
+            give_default_mode(out / peft.ADAPTER_WEIGHTS, out / "base" / "model.safetensors")
+            return out
         sd = peft.merged_state_dict(model, sd)
-    return write_hf_model(model, path, sd)
+    out = write_hf_model(model, path, sd)
+    give_default_mode(out / "model.safetensors")
+    return out
+
+
+def give_default_mode(*files: Path) -> None:
+    """Give the weight files just written (those of ``files`` that exist) the mode every other file of the
+    directory has: what a plain ``open()`` creates, 0o666 less the umask (0o644 under the usual umask 022).
+    safetensors' ``save_file`` writes a temporary file and renames it, which leaves it readable by its owner only
+    (0o600), so that others sharing the directory could read config.json but not the weights."""
+    mask = os.umask(0o022)  # reading the umask means setting it: put it back at once
+    os.umask(mask)
+    for f in files:
+        if Path(f).is_file():
+            os.chmod(f, 0o666 & ~mask)
 
 
 @dataclass

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The test suite's time as CI sees it: a fresh clone of this checkout's HEAD, `bash .ci/run` (the README's test
+# command) under /usr/bin/time, its whole output kept with the CPU model, the load before and after and the
+# commit, in benchmarks/results/suite-DATE[-LABEL].txt (the README's suite time names that file).
+#
+#   bash benchmarks/suite_time.sh              # this CPU as it is
+#   bash benchmarks/suite_time.sh avx2         # this CPU limited to AVX2 (no AVX-512, AMX or AVX512-BF16): the
+#                                              # slowest CPU CI meets (an AVX2-only EPYC) as closely as a faster one
+#                                              # can; bf16 matmuls drop to ~1 GFLOP/s as there
+# Run it on an otherwise idle machine: a figure measured under load is not the suite's time.
+set -euo pipefail
+label="${1:-}"
+repo="$(cd "$(dirname "$0")/.." && pwd)"
+work="$(mktemp -d)"
+git clone -q "$repo" "$work/clone"
+if [ "$label" = "avx2" ]; then
+  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
+fi
+out="$repo/benchmarks/results/suite-$(date -u +%F)${label:+-$label}.txt"
+{
+  echo "# dufu test suite: bash .ci/run on a fresh clone"
+  echo "commit:    $(git -C "$repo" rev-parse HEAD)"
+  echo "cpu:       $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | xargs) ($(nproc) cores)"
+  echo "isa limit: ${label:-none}"
+  echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "started:   $(date -u +%FT%TZ)"
+} > "$out.head"
+start=$(date +%s)
+set +e
+(cd "$work/clone" && bash .ci/run) > "$out.body" 2>&1
+rc=$?
+set -e
+end=$(date +%s)
+{
+  cat "$out.head"
+  echo "ended:     $(date -u +%FT%TZ)"
+  echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
+  echo "exit code: $rc"
+  echo "wall time: $((end - start)) s (install and tests)"
+  echo
+  cat "$out.body"
+} > "$out"
+rm -f "$out.head" "$out.body"
+rm -rf "$work"
+# The clone's editable install pointed `dufu` at the clone: point it back here.
+pip install -q --no-deps -e "$repo"
+echo "$out: exit $rc, $((end - start)) s"
+exit $rc
