@@ -19,7 +19,10 @@ except BaseException:  # noqa: BLE001 - printed as Python would, then the proces
     traceback.print_exc()
     code = 1
 if "torch.distributed" in sys.modules:  # only a process that may have a process group pays for the import
+    from dufu import cli
     from dufu.parallel.launch import exit_process
 
-    exit_process(code)
+    # A rank that stops because a peer failed leaves a moment later: torchrun's agent (polling every 0.1 s) names
+    # the failure it sees first, which must be the peer's (e.g. "killed by SIGKILL"), not this consequence.
+    exit_process(code, linger_seconds=1.0 if cli.peer_failed else 0.0)
 sys.exit(code)

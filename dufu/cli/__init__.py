@@ -119,6 +119,11 @@ COMMANDS = {"train": "dufu.cli.train", "eval": "dufu.cli.eval", "configs": "dufu
             "lighthouse": "dufu.cli.lighthouse"}
 
 
+# Set when a command ended because a collective with the other ranks failed (another rank died or hung): this
+# rank's exit is a consequence, and dufu/__main__ lets the failed rank's exit be seen first.
+peer_failed = False
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
@@ -141,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         # In a multi-process job, one copy of a config error; but every rank's own view of a failure.
         if os.environ.get("RANK", "0") == "0" or isinstance(err, DistributedFailure):
             _print_error(err)
+        global peer_failed
+        peer_failed = isinstance(err, DistributedFailure)
         return 2
     except ModuleNotFoundError as err:  # an optional package imported where the work needs it (torchao, torchft, ...)
         error = missing_package(err, command)

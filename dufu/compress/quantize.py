@@ -10,7 +10,16 @@ Schemes (:data:`SCHEMES`):
 * ``int8-weight``  -- ``Int8WeightOnlyConfig``: int8 weights, one scale per output row; activations stay in
   floating point (the weight is widened inside the matmul).
 * ``int8-dynamic`` -- ``Int8DynamicActivationInt8WeightConfig``: int8 weights as above, and each token's
-  activations quantized to int8 on the fly (symmetric, per token), so the matmul runs in int8.
+  activations quantized to int8 on the fly (symmetric, per token), so the matmul runs in int8
+  (``torch._int_mm``, oneDNN's int8 GEMM on the CPU). On an x86 CPU without an int8 dot-product instruction
+  as oneDNN sees it (none of avx512_vnni / avx_vnni / amx_int8, or ``ONEDNN_MAX_CPU_ISA`` capped below them)
+  that GEMM multiplies with ``vpmaddubsw``: the activations shifted to uint8 times the int8 weights, two
+  products summed into an int16 that saturates (255 * 127 * 2 > 32767), so the int32 results are wrong (15-19%
+  relative error on random int8 matrices; up to 22% on the test models' logits). There, and only there, dufu
+  takes torchao's ``reduce_range``: weights and activations in [-64, 63], so a pair sums to at most
+  255 * 64 * 2 = 32640 and the matmul is exact again, for one bit less of precision (:func:`int8_matmul_saturates`
+  decides; the choice is a note of the report and an attribute of the saved tensors). A full-range model
+  reloaded on such a CPU is refused (:func:`check_int8_matmuls`).
 * ``int4-weight``  -- 4-bit weights in groups of :data:`INT4_GROUP_SIZE` inputs with a scale and zero point
   each (asymmetric, tinygemm's layout). torchao 0.18's ``Int4WeightOnlyConfig`` has no CPU packing format
   (its "plain" format needs the ``mslk`` GPU kernels, "tile_packed_to_4d" CUDA, "plain_int32" XPU/NPU); the
@@ -41,6 +50,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 
 from dataclasses import dataclass, field
 from typing import Optional
@@ -85,10 +95,80 @@ class QuantizationInfo:
     linear_bytes_before: int = 0                # only the weights that took the scheme
     linear_bytes_after: int = 0
     notes: list[str] = field(default_factory=list)
+    reduce_range: Optional[bool] = None         # int8-dynamic: weights and activations in [-64, 63]
 
 
-def torchao_config(scheme: str, group_size: Optional[int] = None):
-    """The torchao config object of ``scheme`` for the network's linear layers."""
+# oneDNN's ONEDNN_MAX_CPU_ISA values (DNNL_MAX_CPU_ISA its older name), lower case, and the CPU flags under which
+# the ISA they cap oneDNN at has an int8 dot-product instruction: () = none, so its int8 GEMM saturates. A value
+# oneDNN does not know it ignores, as "all" (checked with torch 2.13's oneDNN: an unknown value gives exact sums).
+INT8_DOT_FLAGS = ("avx512_vnni", "avx_vnni", "amx_int8")
+_AVX512_DOT = ("avx512_vnni", "amx_int8")
+ONEDNN_ISA_INT8_DOT = {
+    "sse41": (), "avx": (), "avx2": (), "avx512_core": (),
+    "avx2_vnni": ("avx_vnni",), "avx2_vnni_2": ("avx_vnni",),
+    **{isa: _AVX512_DOT for isa in ("avx512_core_vnni", "avx512_core_bf16", "avx512_core_fp16", "avx512_core_amx",
+                                    "avx512_core_amx_fp16", "avx10_1_512", "avx10_1_512_amx",
+                                    "avx10_1_512_amx_fp16", "avx10_2_512", "avx10_2_512_amx_2")},
+}
+
+
+def onednn_isa_limit() -> tuple[Optional[str], Optional[str]]:
+    """``(variable, value)`` of the ISA limit oneDNN obeys (``ONEDNN_MAX_CPU_ISA`` before ``DNNL_MAX_CPU_ISA``,
+    as oneDNN reads them), or ``(None, None)``."""
+    for var in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        if os.environ.get(var):
+            return var, os.environ[var]
+    return None, None
+
+
+def int8_matmul_saturates() -> Optional[str]:
+    """Why this CPU's int8 GEMM (``torch._int_mm`` through oneDNN) saturates with full-range int8 operands,
+    or None where it is exact: an x86 CPU without an int8 dot-product instruction as oneDNN sees it (the CPU's
+    flags, read by torch's cpuinfo, and oneDNN's ISA limit if set). Other architectures: None."""
+    caps = torch.cpu.get_capabilities()
+    if caps.get("architecture") not in ("x86_64", "x86"):
+        return None
+    flags = [f for f in INT8_DOT_FLAGS if caps.get(f)]
+    var, value = onednn_isa_limit()
+    needs = ONEDNN_ISA_INT8_DOT.get((value or "").lower())
+    if needs is None:  # no limit, or one oneDNN ignores
+        if flags:
+            return None
+        return f"this CPU has no int8 dot-product instruction (none of {', '.join(INT8_DOT_FLAGS)})"
+    if any(caps.get(f) for f in needs):
+        return None
+    if not needs:
+        return f"{var}={value} limits oneDNN to an ISA without an int8 dot-product instruction"
+    return (f"{var}={value} limits oneDNN to an ISA whose int8 dot product needs {' or '.join(needs)}, "
+            f"which this CPU lacks")
+
+
+SATURATION = ("its int8 matmul (oneDNN, vpmaddubsw) sums pairs of uint8 x int8 products into int16, which "
+              "saturates with the full int8 range")
+
+
+def saturating_layers(model: nn.Module) -> list[str]:
+    """Module names whose weight is an int8-dynamic ``Int8Tensor`` with the full int8 range."""
+    return [n for n, m in model.named_modules() if type(getattr(m, "weight", None)).__name__ == "Int8Tensor"
+            and m.weight.act_quant_kwargs is not None and not m.weight.reduce_range]
+
+
+def check_int8_matmuls(model: nn.Module) -> None:
+    """Refuse a model whose int8-dynamic layers use the full int8 range on a CPU where that saturates."""
+    why = int8_matmul_saturates()
+    layers = saturating_layers(model) if why else []
+    if layers:
+        raise QuantizationError(
+            f"this model's int8-dynamic layers ({layers[0]} ...) use the full int8 range, but {why}, and there "
+            f"{SATURATION}: its logits would be wrong (by up to 22% on dufu's test models). Quantize the source "
+            "again on this machine (dufu then takes the reduced range, weights and activations in [-64, 63]) or "
+            "anywhere with quantize_model(model, 'int8-dynamic', reduce_range=True), or use int8-weight, whose "
+            "matmul is in floating point.")
+
+
+def torchao_config(scheme: str, group_size: Optional[int] = None, reduce_range: Optional[bool] = None):
+    """The torchao config object of ``scheme`` for the network's linear layers (``reduce_range``: int8-dynamic's
+    weights and activations in [-64, 63], see the module docstring)."""
     # here, not at the top: torchao is optional
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, Int8WeightOnlyConfig
 
@@ -97,7 +177,7 @@ def torchao_config(scheme: str, group_size: Optional[int] = None):
     if scheme == "int8-weight":
         return Int8WeightOnlyConfig(set_inductor_config=False)
     if scheme == "int8-dynamic":
-        return Int8DynamicActivationInt8WeightConfig(set_inductor_config=False)
+        return Int8DynamicActivationInt8WeightConfig(set_inductor_config=False, reduce_range=bool(reduce_range))
     if scheme == "int4-weight":
         # here, not at the top: torchao is optional
         from torchao.prototype.quantization.int4 import PrototypeInt4WeightOnlyConfig
@@ -229,21 +309,50 @@ def plan(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> tup
     return linears, vocab, kept
 
 
+def choose_range(model: nn.Module, scheme: str, reduce_range: Optional[bool]) -> tuple[Optional[bool], list[str]]:
+    """int8-dynamic's ``reduce_range`` (None for the other schemes) and the note that says why: ``None`` asks
+    dufu, which reduces the range exactly where the model's int8 matmuls would saturate (a CPU model on a CPU
+    :func:`int8_matmul_saturates` names); True / False are the caller's."""
+    if scheme != "int8-dynamic":
+        if reduce_range is not None:
+            raise QuantizationError(f"reduce_range applies to int8-dynamic only (its int8 matmuls), not {scheme}.")
+        return None, []
+    on_cpu = {t.device.type for t in unique_tensors(model).values()} == {"cpu"}
+    why = int8_matmul_saturates() if on_cpu else None
+    if reduce_range is None:
+        if why is None:
+            return False, []
+        return True, [f"int8-dynamic weights and activations in [-64, 63] (torchao's reduce_range), not the full "
+                      f"int8 range: {why}, and {SATURATION} (255 * 127 * 2 > 32767); in [-64, 63] a pair sums to at "
+                      "most 255 * 64 * 2 = 32640, exact, for one bit less of precision"]
+    if reduce_range:
+        return True, ["int8-dynamic weights and activations in [-64, 63] (reduce_range=True asked for): exact int8 "
+                      "matmuls on CPUs without an int8 dot-product instruction too, for one bit less of precision"]
+    if why is None:
+        return False, []
+    return False, [f"full int8 range (reduce_range=False asked for) although {why}: {SATURATION}, so this model's "
+                   "int8 matmuls are wrong on this CPU (and dufu refuses to load it here); run it on a CPU with "
+                   "avx512_vnni, avx_vnni or amx_int8, or on a GPU"]
+
+
 @torch.no_grad()
-def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = None) -> QuantizationInfo:
+def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = None,
+                   reduce_range: Optional[bool] = None) -> QuantizationInfo:
     """Quantize ``model`` in place with torchao (see the module docstring for which weights get what) and
     return what was done (also kept as ``model.quantization_info``). The model is put in eval mode: a
-    quantized model is for inference (its weights no longer train)."""
+    quantized model is for inference (its weights no longer train). ``reduce_range`` (int8-dynamic only):
+    None lets dufu choose (:func:`choose_range`)."""
     from torchao.quantization import quantize_  # here, not at the top: torchao is optional
 
     check_quantizable(model, scheme)
     linears, vocab, kept = plan(model, scheme, group_size)
+    reduce_range, range_notes = choose_range(model, scheme, reduce_range)
     tied = tied_names(model)
     modules = dict(model.named_modules())
     before = model_bytes(model)
     linear_before = sum(tensor_bytes(modules[n].weight) for n in linears)
     model.eval()
-    notes = []
+    notes = list(range_notes)
     if contract_of(model).fused_loss:
         # The fused head + loss multiplies by lm_head.weight itself (a transpose torchao's tensors lack);
         # without it the loss is computed from the logits: the same numbers, more memory.
@@ -255,7 +364,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
             modules[n].to(INT4_COMPUTE_DTYPE)
             run_int4_in_bf16(modules[n])
         notes.append("int4 layers compute in bf16 (the CPU int4 kernel is fast with bf16 activations only)")
-    quantize_(model, torchao_config(scheme, group_size), filter_fn=lambda m, fqn: fqn in chosen_linears)
+    quantize_(model, torchao_config(scheme, group_size, reduce_range), filter_fn=lambda m, fqn: fqn in chosen_linears)
     quantize_(model, vocab_config(), filter_fn=lambda m, fqn: fqn in chosen_vocab)
     for alias, owner in tied.items():  # quantize_ replaced the owner's Parameter: point its aliases at the new one
         owner_module, owner_attr = owner.rpartition(".")[0], owner.rpartition(".")[2]
@@ -270,6 +379,7 @@ def quantize_model(model: nn.Module, scheme: str, group_size: Optional[int] = No
         scheme=scheme, group_size=(group_size or INT4_GROUP_SIZE) if scheme == "int4-weight" else None,
         quantized=quantized, kept=kept, tied=tied, bytes_before=before, bytes_after=model_bytes(model),
         linear_bytes_before=linear_before,
-        linear_bytes_after=sum(tensor_bytes(modules[n].weight) for n in linears), notes=notes)
+        linear_bytes_after=sum(tensor_bytes(modules[n].weight) for n in linears), notes=notes,
+        reduce_range=reduce_range)
     model.quantization_info = info
     return info

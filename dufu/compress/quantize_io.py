@@ -16,9 +16,9 @@ A directory holds
     :func:`transformers_layout_problem`); ``config.json`` then has no ``quantization_config``, so
     transformers fails at once ("no model.safetensors") instead of building a wrong model;
 
-* ``dufu_quantization.json`` -- the manifest: scheme, torchao/torch versions, the weights file and its
-  naming, which modules are quantized to which torchao type and which kept in full precision (and why),
-  the tied parameters, bytes, and where the model came from;
+* ``dufu_quantization.json`` -- the manifest: scheme, group size, int8-dynamic's ``reduce_range``,
+  torchao/torch versions, the weights file and its naming, which modules are quantized to which torchao type
+  and which kept in full precision (and why), the tied parameters, bytes, and where the model came from;
 * the source's tokenizer files (``tokenizer.json`` ...), copied by the caller (:mod:`dufu.cli.quantize`).
 """
 
@@ -39,6 +39,7 @@ from dufu.compress.quantize import (
     VOCAB_HEAD,
     QuantizationError,
     QuantizationInfo,
+    check_int8_matmuls,
     is_quantized_tensor,
     run_int4_in_bf16,
     torchao_config,
@@ -114,7 +115,8 @@ def _quantization_config(ad, model: nn.Module, info: QuantizationInfo) -> dict:
 
     fqn = {}
     for name in info.quantized:
-        config = vocab_config() if _is_vocab(model, name) else torchao_config(info.scheme, info.group_size)
+        config = (vocab_config() if _is_vocab(model, name) else
+                  torchao_config(info.scheme, info.group_size, info.reduce_range))
         fqn[_hf_module(ad, model, name)] = config
     kept = [_hf_module(ad, model, n) for n in info.kept if isinstance(model.get_submodule(n), nn.Linear)]
     fqn.update({name: None for name in kept})
@@ -176,6 +178,7 @@ def save_quantized(model: nn.Module, scheme: str, source_info: dict, out_dir, ex
 
     manifest = {
         "format": FORMAT, "version": VERSION, "scheme": scheme, "group_size": info.group_size,
+        "reduce_range": info.reduce_range,
         "torchao": torchao.__version__, "torch": torch.__version__,
         "model_type": ad.model_type, "architecture": _architecture(ad, model), "dufu_class": type(model).__name__,
         "weights": weights, "names": "transformers" if problem is None else "dufu",
@@ -247,7 +250,8 @@ def load_quantized(path) -> nn.Module:
     """The quantized model a :func:`save_quantized` directory holds, in eval mode on the CPU, with
     ``quantization_info``. It is built on the meta device from config.json and given the stored tensors as
     they are (no re-quantization); only what the file lacks by design (tables recomputed from the config)
-    is allocated and initialised by the family's own rule."""
+    is allocated and initialised by the family's own rule. int8-dynamic weights of the full int8 range are
+    refused on a CPU whose int8 matmul saturates with them (:func:`dufu.compress.quantize.check_int8_matmuls`)."""
     path = Path(path)
     manifest = read_manifest(path)
     with torch.device("meta"):
@@ -276,8 +280,10 @@ def load_quantized(path) -> nn.Module:
         alias_module, _, alias_attr = alias.rpartition(".")
         setattr(model.get_submodule(alias_module), alias_attr, getattr(model.get_submodule(owner_module), owner_attr))
     model.eval()
+    check_int8_matmuls(model)
     model.quantization_info = QuantizationInfo(
         scheme=manifest["scheme"], group_size=manifest.get("group_size"), quantized=manifest["quantized"],
+        reduce_range=manifest.get("reduce_range"),
         kept=manifest["kept"], tied=tied, notes=manifest.get("notes", []),
         bytes_before=manifest["bytes_in_memory"]["before"], bytes_after=manifest["bytes_in_memory"]["after"],
         linear_bytes_before=manifest["bytes_in_memory"]["quantized_weights_before"],

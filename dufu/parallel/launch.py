@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -53,15 +54,16 @@ def finish_distributed(exit_code: int = 0) -> None:
     os._exit(exit_code)
 
 
-def exit_process(code) -> None:
+def exit_process(code, linger_seconds: float = 0.0) -> None:
     """Leave the process with ``code`` (an int, or what ``SystemExit`` carries), never through the interpreter's
     finalization while a process group lives.
 
     Gloo's worker threads can still hold finished collectives' tensors when the interpreter is torn down; freeing
     them then takes the GIL of a dying interpreter, and the rank aborts (SIGABRT) after its work, or after it
     printed its error. Every failure path of a worker (an error reported with exit code 2, an uncaught exception)
-    therefore ends like a success (:func:`finish_distributed`): output flushed, then ``os._exit``. A process
-    without a process group exits normally."""
+    therefore ends like a success (:func:`finish_distributed`): output flushed, then ``os._exit``, after
+    ``linger_seconds`` (a rank whose failure is a peer's consequence waits, so the launcher sees the peer's exit
+    first). A process without a process group exits normally."""
     if not isinstance(code, int):
         if code is not None:
             print(code, file=sys.stderr)
@@ -69,6 +71,8 @@ def exit_process(code) -> None:
     if dist.is_available() and dist.is_initialized():
         sys.stdout.flush()
         sys.stderr.flush()
+        if linger_seconds:
+            time.sleep(linger_seconds)
         os._exit(code)
     sys.exit(code)
 

@@ -55,6 +55,6 @@ def test_a_lost_node_shrinks_the_job_from_4_to_2_processes_with_the_uninterrupte
     said = survivors[0].stdout + survivors[0].stderr
     assert "dp 4 x tp 1 x pp 1 = 4 processes" in said and "dp 2 x tp 1 x pp 1 = 2 processes" in said
     assert "accumulation 2" in said and "resumed from" in said and "step_0000010" in said
-    assert_losses_match(out, {s: r["loss"] for s, r in reference.train.items()}, range(1, 21))
+    assert_losses_match(out, reference, range(1, 21))
     restarts = [r for r in records(out) if "restart" in r]
     assert len(restarts) == 1 and restarts[0]["step"] == 10 and restarts[0]["resumed_from"] == "step_0000010"

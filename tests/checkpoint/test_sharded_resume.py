@@ -92,7 +92,7 @@ def test_stop_at_iter_writes_a_complete_checkpoint_and_says_how_to_continue(jobs
     assert "stopped at step 5 of 10: train.stop_at_iter=5" in b.stdout
     assert f"dufu train {b.output_dir / 'config.yaml'} --nproc 4 --resume" in b.stdout
     # The schedule is still the 10-step one: same losses and learning rates as run A so far.
-    assert_losses_match(b.output_dir, reference.losses, range(1, 6))
+    assert_losses_match(b.output_dir, reference.output_dir, range(1, 6))
     ref = train_records(reference.output_dir)
     assert [r["lr"] for r in train_records(b.output_dir).values()] == [ref[s]["lr"] for s in range(1, 6)]
 
@@ -101,7 +101,7 @@ def check_resumed(output_dir, stdout: str, reference) -> None:
     assert f"resumed from {output_dir / 'checkpoints' / STEP5} (step 5)" in stdout
     got = train_records(output_dir)  # also: no step logged twice
     assert sorted(got) == list(range(1, 11))
-    assert_losses_match(output_dir, reference.losses, range(6, 11))
+    assert_losses_match(output_dir, reference.output_dir, range(6, 11))
     ref = train_records(reference.output_dir)
     for s in range(6, 11):  # the LR schedule continues unchanged
         assert got[s]["lr"] == pytest.approx(ref[s]["lr"], rel=1e-12, abs=1e-15), s
