@@ -1,4 +1,4 @@
-"""One device as the cost model sees it: the :class:`Hardware` record of its figures and fitted constants.
+"""One device as the cost model sees it: the :class:`Hardware` record of its figures and model constants.
 
 Where the figures come from is elsewhere: published ones in the catalog and user files (:mod:`dufu.plan.hardware`),
 this machine's CPU measured (:mod:`dufu.plan.cpu`).
@@ -26,18 +26,20 @@ class Hardware:
     intra_node_bandwidth: float
     inter_node_bandwidth: float
     devices_per_node: int = 8
-    # ---- model constants (fitted, not published): how close kernels come to the peaks
-    gemm_efficiency: float = 1.0  # a matmul whose every dimension is large runs at the dense peak ...
-    gemm_half_size: float = 300.0  # ... and each dimension d scales that by d / (d + gemm_half_size)
-    # fused attention's fraction of the rate of a matmul of its shape (T x d by d x Tk: the head dim d is small)
-    attention_efficiency: float = 0.45
-    memory_efficiency: float = 0.90  # fraction of memory bandwidth elementwise kernels reach
-    comm_efficiency: float = 0.90  # fraction of link bandwidth collectives reach (NCCL bus bandwidth)
-    op_overhead_s: float = 6e-6  # host time to launch one op (hidden behind device work on GPUs)
+    # ---- model constants (not published figures). The defaults describe an ideal device (kernels at the peaks, no
+    # host time or latency, nothing overlapped); a GPU takes dufu.plan.hardware.GPU_CONSTANTS (fitted to published
+    # training results), the CPU its measured figures (dufu.plan.cpu).
+    gemm_efficiency: float = 1.0  # a matmul whose every dimension is large runs at this fraction of the peak ...
+    gemm_half_size: float = 0.0  # ... and each dimension d scales that by d / (d + gemm_half_size)
+    # fused attention's fraction of the dense peak (times f(T) f(Tk) for T queries and Tk keys; not f(head dim))
+    attention_efficiency: float = 1.0
+    memory_efficiency: float = 1.0  # fraction of memory bandwidth elementwise kernels reach
+    comm_efficiency: float = 1.0  # fraction of link bandwidth collectives reach (NCCL bus bandwidth)
+    op_overhead_s: float = 0.0  # host time to launch one op (hidden behind device work on GPUs)
     param_op_overhead_s: float = 0.0  # extra host time of an op on DTensor parameters (tensor parallelism)
-    intra_latency_s: float = 2e-6  # per step of a ring collective inside a node (NCCL's low-latency protocols)
-    inter_latency_s: float = 6e-6  # per step between nodes
-    overlap: float = 0.9  # share of overlappable communication (FSDP/DDP) hidden behind compute
+    intra_latency_s: float = 0.0  # per step of a ring collective inside a node (NCCL's low-latency protocols)
+    inter_latency_s: float = 0.0  # per step between nodes
+    overlap: float = 0.0  # share of overlappable communication (FSDP/DDP) hidden behind compute
     reserved_bytes: float = 3e9  # what the runtime keeps (CUDA context, allocator fragmentation)
     synchronous: bool = False  # True on a CPU: op dispatch and communication are on the critical path
     cores: int = 0  # CPU: cores the processes share

@@ -1,8 +1,9 @@
 """The devices ``dufu plan`` knows: published figures for GPUs, measured ones for this machine's CPU.
 
 The published figures a prediction rests on are here, in one table, each with its source. The few model
-constants (how close kernels come to those peaks) are not published figures and say so, as the defaults of the
-record every device fills, :class:`dufu.plan.device.Hardware`.
+constants of a GPU (how close kernels come to those peaks, what overlaps, latencies) are not published figures:
+:data:`GPU_CONSTANTS` holds them, fitted by ``benchmarks/plan_fit.py`` to a named subset of published training
+results and checked on results the fit did not use (``docs/plan.md``).
 
 =============  ===============  ========  ==========  ======================  ===================================
 name           dense bf16/fp16  memory    HBM         NVLink per GPU          inter-node per GPU
@@ -47,7 +48,7 @@ Adding a device: a YAML or JSON file mapping names to fields (units in the field
       devices_per_node: 8
 
 passed with ``dufu plan --hardware-file FILE`` or listed in ``$DUFU_HARDWARE`` (paths separated by ``:``); or
-``get_hardware({...})`` / a :class:`Hardware` in Python. Omitted model constants take the GPU defaults.
+``get_hardware({...})`` / a :class:`Hardware` in Python. Omitted model constants take :data:`GPU_CONSTANTS`.
 """
 
 from __future__ import annotations
@@ -65,11 +66,29 @@ from dufu.plan.cpu import measured_cpu
 from dufu.plan.device import GB, TFLOPS, Hardware
 
 
+# The GPU time model's constants (not published figures; see Hardware): fitted by benchmarks/plan_fit.py to a named
+# subset of published training results (every other row of Table 1 of Narayanan et al. 2021) and checked on the
+# rest; results: benchmarks/results/plan_fit-<date>.md. tests/plan/test_plan_heldout.py checks that the fit
+# reproduces these values. Every GPU of the catalog and every user device takes them unless its file sets its own.
+GPU_CONSTANTS: dict = {
+    "gemm_efficiency": 0.936,
+    "gemm_half_size": 266.0,
+    "attention_efficiency": 0.45,
+    "memory_efficiency": 0.934,
+    "comm_efficiency": 0.808,
+    "overlap": 0.807,
+    "op_overhead_s": 6.01e-06,
+    "intra_latency_s": 1.93e-06,
+    "inter_latency_s": 6.09e-06,
+}
+
+
 def _gpu(name, description, bf16, fp32, memory_gb, hbm_gbs, nvlink_gbs, ib_gbs, source) -> Hardware:
     return Hardware(name=name, description=description, peak_flops={"bf16": bf16 * TFLOPS, "fp16": bf16 * TFLOPS,
                                                                      "fp32": fp32 * TFLOPS},
                     memory_bytes=memory_gb * GB, memory_bandwidth=hbm_gbs * GB,
-                    intra_node_bandwidth=nvlink_gbs * GB, inter_node_bandwidth=ib_gbs * GB, source=source)
+                    intra_node_bandwidth=nvlink_gbs * GB, inter_node_bandwidth=ib_gbs * GB, source=source,
+                    **GPU_CONSTANTS)
 
 
 CATALOG: dict[str, Hardware] = {
@@ -99,7 +118,7 @@ _FILE_UNITS = {
 
 def hardware_from_dict(name: str, entry: dict, origin: str = "") -> Hardware:
     """A :class:`Hardware` from a file entry (units in the field names, see the module docstring)."""
-    kwargs: dict = {"name": name, "description": entry.get("description", name), "peak_flops": {},
+    kwargs: dict = {**GPU_CONSTANTS, "name": name, "description": entry.get("description", name), "peak_flops": {},
                     "source": entry.get("source", origin)}
     known = {f for f in Hardware.__dataclass_fields__}
     for key, value in entry.items():

@@ -8,8 +8,11 @@ Per op of the traced step (:mod:`dufu.plan.shapes`), on the rank's share of the 
   (tiles that are not filled, waves that are not whole; Nvidia's "Matrix Multiplication Background" guide);
   tensor parallelism divides n (column-parallel) or k (row-parallel) by tp;
 * fused attention (FlashAttention, Dao 2023; torch's SDPA kernels) does 4 B h T Tk d FLOPs forward (halved by a
-  causal mask, whose masked blocks the kernels skip) and 2.5 times that backward (it recomputes the scores), at the
-  matmul rate of its (T, Tk, d) shape; heads are divided by tp;
+  causal mask, whose masked blocks the kernels skip) and 2.5 times that backward (it recomputes the scores), at
+  ``attention_efficiency`` of the peak times f(T) f(Tk): the kernels tile queries and keys and hold the head
+  dimension whole, so a head dimension of 64-160 is not a small matmul dimension (pricing it as one, f(d) = 0.18
+  to 0.35 at d0 = 300, made attention 3 to 6 times slower than the kernels run, most of all for the small models
+  whose FLOPs are most attention); heads are divided by tp;
 * every other op moves its inputs and outputs through memory once: bytes / (bandwidth x efficiency);
 * each op costs host time to dispatch (``op_overhead_s``; more for ops on DTensor parameters under tensor
   parallelism). On a GPU the host runs ahead and only the larger of host and device time counts; on a CPU both
@@ -96,6 +99,13 @@ class Pricer:
         f = (m / (m + d0)) * (n / (n + d0)) * (k / (k + d0))
         return self.hw.peak(dtype, self.threads) * self.hw.gemm_efficiency * f
 
+    def attention_rate(self, dtype: str, t: float, tk: float) -> float:
+        """FLOP/s of fused attention over ``t`` queries and ``tk`` keys: ``attention_efficiency`` of the dense peak,
+        less for short sequences (tiles of queries and keys not filled: f(t) f(tk)). Its head dimension is no
+        matmul dimension to fill: the kernels hold it whole in every tile (FlashAttention, Dao 2023)."""
+        d0 = self.hw.gemm_half_size
+        return self.hw.peak(dtype, self.threads) * self.hw.attention_efficiency * (t / (t + d0)) * (tk / (tk + d0))
+
     def _fresh_pages(self, q: int, phase: str) -> float:
         """Seconds of page faults of traced part ``q``'s ``phase``: with glibc handing large blocks back to the
         system, every traced allocation of at least ``MALLOC_MMAP_THRESHOLD_`` bytes is new memory."""
@@ -143,7 +153,7 @@ class Pricer:
                 f *= 2.5
             flops += f
             work = f * (0.5 if a.causal and a.t == a.tk else 1.0)
-            t_dev += work / (self.rate(a.dtype, a.t, a.tk, a.d) / self.hw.gemm_efficiency * self.hw.attention_efficiency)
+            t_dev += work / self.attention_rate(a.dtype, a.t, a.tk)
         for kind, pair in (ops.fused if self.compiled else ops.traffic).items():
             v, heavy = max(lin(pair, b), 0.0), max(lin(ops.heavy[kind], b), 0.0)
             if self.compiled:  # fused kernels: what remains is memory traffic

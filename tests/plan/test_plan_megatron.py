@@ -1,10 +1,11 @@
-"""The planner against published cluster results: Megatron-LM's GPT on A100-80GB (Narayanan et al. 2021, "Efficient
-Large-Scale Language Model Training on GPU Clusters Using Megatron-LM", Table 1).
+"""The planner on Megatron-LM's published GPT layouts on A100-80GB (Narayanan et al. 2021, "Efficient Large-Scale
+Language Model Training on GPU Clusters Using Megatron-LM", Table 1): they fit, and the search's choice of tensor and
+pipeline sizes against Megatron's.
 
 Each row is planned as a dufu GPT config (vocabulary 51,200, sequence 2,048, bf16, full activation recomputation)
-with the paper's tensor/pipeline sizes and global batch, the micro-batch left to the planner. Throughput is counted
-as the paper counts it: 96 B s l h^2 (1 + s / (6 h) + V / (16 l h)) FLOPs per iteration (recomputation included),
-over the predicted step time and the number of GPUs.
+with the paper's tensor/pipeline sizes and global batch, the micro-batch left to the planner. How close the
+predicted throughput comes to the published one is checked on rows the GPU constants were not fitted to, in
+tests/plan/test_plan_heldout.py (the rows, their sources and the fit: benchmarks/plan_fit.py).
 """
 
 from __future__ import annotations
@@ -40,24 +41,13 @@ def megatron_config(row, search_tp_pp: bool = False):
                 "train.activation_checkpoint.enabled=True", "train.activation_checkpoint.mode=full", *dist)
 
 
-def paper_flops(row) -> float:
-    _, _, h, l, _, _, _, B, _ = row
-    return 96 * B * SEQ * l * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
-
-
-def tflops_per_gpu(row, est) -> float:
-    return paper_flops(row) / est.step_time_s / row[6] / 1e12
-
-
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r[0]}B" for r in ROWS])
-def test_published_throughput_within_15_percent_and_fits(row):
+def test_published_layout_fits_in_80_gb(row):
     plan = search(megatron_config(row), row[6], "a100-80gb")
     best = plan.best
     assert best is not None, plan[0].reason
     assert (best.layout["tensor_parallel_size"], best.layout["pipeline_parallel_size"]) == (row[4], row[5])
     assert best.memory_per_gpu_bytes < 80e9
-    predicted = tflops_per_gpu(row, best)
-    assert 0.85 * row[8] <= predicted <= 1.15 * row[8], f"{row[0]}B: predicted {predicted:.1f} TFLOP/s/GPU"
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[f"{r[0]}B" for r in ROWS])
