@@ -48,10 +48,24 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--rdzv-id", default=None, help="the job's id at the rendezvous (the same on every node)")
     parser.add_argument("--max-restarts", type=int, default=None,
                         help="restart a failed job up to N times, resuming from the last complete checkpoint")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="rehearse the run on this machine, with no GPU: build the ranks' parts of the layout for "
+                             "--world-size processes on the meta device and report what each holds and every "
+                             "collective it issues, beside `dufu plan`'s prediction (see docs/plan.md)")
+    parser.add_argument("--world-size", type=int, default=None, metavar="N", help="--dry-run: processes of the run")
+    parser.add_argument("--rank", type=int, action="append", default=None, metavar="R",
+                        help="--dry-run: the rank to build (repeatable; default: first and last pipeline ranks)")
+    parser.add_argument("--json", action="store_true", help='--dry-run: print {"ranks": [...]} as JSON')
+    parser.add_argument("--gpu", default="h100-80gb",
+                        help="--dry-run: the device the planner's activation estimate is for (default h100-80gb)")
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.train_iter=100 optim.lr=1e-3")
     args, config, overrides = parse_config_args(parser, argv, "train")
     check_resume_options(args)
     cfg = load_train_config(config, overrides)
+    if args.dry_run or args.world_size is not None or args.rank or args.json:
+        from dufu.plan.rehearsal import dry_run  # imports torch: not for --help
+
+        return dry_run(cfg, args.dry_run, args.world_size, args.rank, args.json, args.gpu, resume_request(args))
     launching = args.nproc is not None and "LOCAL_RANK" not in os.environ
     nnodes = int(str(args.nnodes).split(":")[-1]) if args.nnodes else 1
     world_size = args.nproc * nnodes if launching else int(os.environ.get("WORLD_SIZE", 1))
