@@ -1,5 +1,11 @@
 """This machine's CPU as a device of the cost model: measured, once, and cached (what is measured:
-:mod:`dufu.plan.hardware`; the record it fills: :class:`dufu.plan.device.Hardware`)."""
+:mod:`dufu.plan.hardware`; the record it fills: :class:`dufu.plan.device.Hardware`).
+
+A figure the probe cannot measure (no loopback networking for the two gloo processes, a worker that failed, no
+``/proc/meminfo``) is not made up silently: the record carries a conservative stand-in for it, listed under
+``"assumed"`` with the reason, the Hardware's ``source`` says "assumed, not measured" (:func:`assumed_figures`
+reads it back for the plan's notes), and a record with an assumed figure is never written to the cache, so the
+next plan measures again."""
 
 from __future__ import annotations
 
@@ -61,13 +67,14 @@ def measured_cpu(remeasure: bool = False) -> Hardware:
             probe = None if remeasure else table.get(key)
             if probe is None:
                 probe = _best_of(probe_cpu(), table.get(key))
-                table[key] = probe
-                try:
-                    tmp = cache.with_suffix(f".tmp{os.getpid()}")
-                    tmp.write_text(json.dumps(table, indent=1))
-                    os.replace(tmp, cache)
-                except OSError:
-                    pass
+                if not probe.get("assumed"):  # a stand-in is never cached as a measurement
+                    table[key] = probe
+                    try:
+                        tmp = cache.with_suffix(f".tmp{os.getpid()}")
+                        tmp.write_text(json.dumps(table, indent=1))
+                        os.replace(tmp, cache)
+                    except OSError:
+                        pass
     return cpu_from_probe(probe)
 
 
@@ -79,16 +86,25 @@ _TIMES = ("op_overhead_s", "gloo_latency_s")
 
 
 def _best_of(new: dict, old) -> dict:
-    """``new`` with each figure replaced by ``old``'s where that one is better (see _RATES)."""
+    """``new`` with each figure replaced by ``old``'s where that one is better (see _RATES). A figure ``new`` could
+    not measure (its ``"assumed"``) is ``old``'s measured one, never a mix with the stand-in."""
     if not old:
         return new
     merged = dict(new)
+    assumed = dict(new.get("assumed", {}))
     for k in _RATES:
         if k in old:
-            merged[k] = max(new.get(k, 0.0), old[k])
+            merged[k] = old[k] if k in assumed else max(new.get(k, 0.0), old[k])
     for k in _TIMES:
         if k in old:
-            merged[k] = min(new.get(k, float("inf")), old[k])
+            merged[k] = old[k] if k in assumed else min(new.get(k, float("inf")), old[k])
+    for k in list(assumed):
+        if k in old:
+            del assumed[k]
+    if assumed:
+        merged["assumed"] = assumed
+    else:
+        merged.pop("assumed", None)
     merged["gemm"] = {t: {d: max(v, old.get("gemm", {}).get(t, {}).get(d, 0.0)) for d, v in rates.items()}
                       for t, rates in new["gemm"].items()}
     old_cal = {str(t): v for t, v in old.get("calibration", {}).items()}
@@ -96,13 +112,35 @@ def _best_of(new: dict, old) -> dict:
     return merged
 
 
+# The marker :func:`cpu_from_probe` writes into a Hardware's ``source`` before the figures it could not measure.
+ASSUMED = "assumed, not measured"
+# Stand-ins for what the probe could not measure: conservative loopback figures for gloo (0: the planner uses
+# the all-reduce's bandwidth for all-gathers and no page-fault cost), and a small machine's memory.
+_GLOO_STAND_IN = {"gloo_latency_s": 2e-3, "gloo_bandwidth": 0.5e9, "page_fault_bandwidth": 0.0,
+                  "gloo_all_gather_bandwidth": 0.0}
+_MEMORY_STAND_IN = 16 * GB
+
+
 def cpu_from_probe(probe: dict) -> Hardware:
-    """The :class:`Hardware` of a probe record (see :func:`probe_cpu`)."""
+    """The :class:`Hardware` of a probe record (see :func:`probe_cpu`); figures the probe could not measure are
+    named in ``source`` after :data:`ASSUMED`, and ``measured`` is False then."""
     cores = int(probe["cores"])
     flops = {int(t): v for t, v in probe["gemm"].items()}
+    assumed = dict(probe.get("assumed", {}))
+    memory = _meminfo_bytes()
+    if memory is None:
+        memory = _MEMORY_STAND_IN
+        assumed["memory_bytes"] = f"/proc/meminfo unreadable: {_MEMORY_STAND_IN / GB:.0f} GB taken"
+    source = (f"measured on this machine ({probe['date']}): matmul, elementwise ops, attention, AdamW, op dispatch"
+              + (", gloo all-reduce" if not any(k.startswith("gloo") for k in assumed) else ""))
+    if assumed:
+        by_reason: dict = {}
+        for k, why in sorted(assumed.items()):
+            by_reason.setdefault(why, []).append(k)
+        source += f"; {ASSUMED}: " + "; ".join(f"{', '.join(ks)} ({why})" for why, ks in by_reason.items())
     return Hardware(
         name="cpu", description=f"this machine: {probe['cpu']}, {cores} cores, one process per device",
-        peak_flops=dict(flops[1]), memory_bytes=_meminfo_bytes(), memory_bandwidth=probe["stream_bandwidth"],
+        peak_flops=dict(flops[1]), memory_bytes=memory, memory_bandwidth=probe["stream_bandwidth"],
         intra_node_bandwidth=probe["gloo_bandwidth"], inter_node_bandwidth=probe["gloo_bandwidth"],
         devices_per_node=max(cores, 1) * 64,  # every process on this one machine
         gemm_efficiency=1.0, gemm_half_size=probe["gemm_half_size"], attention_efficiency=probe["attention_efficiency"],
@@ -111,23 +149,29 @@ def cpu_from_probe(probe: dict) -> Hardware:
         op_overhead_s=probe["op_overhead_s"], param_op_overhead_s=probe["op_overhead_s"] * _DTENSOR_OP_FACTOR,
         # a two-rank ring all-reduce takes two steps: the measured latency is two of them
         intra_latency_s=probe["gloo_latency_s"] / 2, inter_latency_s=probe["gloo_latency_s"] / 2, overlap=0.0,
-        reserved_bytes=0.0, synchronous=True, cores=cores, thread_flops=flops, measured=True,
+        reserved_bytes=0.0, synchronous=True, cores=cores, thread_flops=flops, measured=not assumed,
         calibration={int(t): v for t, v in probe.get("calibration", {}).items()},
         page_fault_bandwidth=probe.get("page_fault_bandwidth", 0.0),
         all_gather_bandwidth=probe.get("gloo_all_gather_bandwidth", 0.0),
-        source=f"measured on this machine ({probe['date']}): matmul, elementwise ops, attention, AdamW, op dispatch, "
-               "gloo all-reduce",
+        source=source,
     )
 
 
-def _meminfo_bytes() -> float:
+def assumed_figures(hw: Hardware) -> str:
+    """The figures of ``hw`` that are stand-ins, with why ("" when every figure was measured or published)."""
+    _, marker, rest = hw.source.partition(ASSUMED + ": ")
+    return rest if marker else ""
+
+
+def _meminfo_bytes():
+    """The machine's memory (bytes), or None when /proc/meminfo cannot tell."""
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
             if line.startswith("MemTotal:"):
                 return float(line.split()[1]) * 1024
     except OSError:
         pass
-    return 16 * GB
+    return None
 
 
 def _best_time(fn, repeats: int = 3) -> float:
@@ -195,10 +239,17 @@ def probe_cpu() -> dict:
             record["gemm"][threads_before] = {**peak, "fp16": peak["bf16"]}
     finally:
         torch.set_num_threads(threads_before)
-    latency, bandwidth, fresh, all_gather = _gloo_probe()
-    record["gloo_latency_s"], record["gloo_bandwidth"] = latency, bandwidth
-    record["page_fault_bandwidth"], record["gloo_all_gather_bandwidth"] = fresh, all_gather
+    record.update(gloo_figures())
     return record
+
+
+def gloo_figures() -> dict:
+    """The probe record's gloo figures (:func:`_gloo_probe`); when two processes cannot measure them, the
+    stand-ins of :data:`_GLOO_STAND_IN`, each listed under ``"assumed"`` with the failure."""
+    gloo, failure = _gloo_probe()
+    if gloo is not None:
+        return gloo
+    return {**_GLOO_STAND_IN, "assumed": {k: f"the gloo probe failed: {failure}" for k in _GLOO_STAND_IN}}
 
 
 def _op_rates(gemm_peak: float) -> dict:
@@ -334,26 +385,38 @@ def _free_port() -> int:
 
 
 def _gloo_probe() -> tuple:
-    """(latency s, bandwidth bytes/s, bytes/s of memory new from the system beyond writing it: the page faults every large allocation pays when glibc returns
-    freed memory to the system, ``MALLOC_MMAP_THRESHOLD_``) of a gloo all-reduce between two processes on this machine (two fresh
-    interpreters, one thread each, as torchrun starts workers), as t = latency + bytes / bandwidth. Each
-    all-reduce follows some computation, as in a training step, and the mean is
-    taken: the rank that arrives first waits, and waking it costs time. (Back-to-back all-reduces between two
-    threads of one process read several times faster than what a step sees.)"""
+    """(figures, None), or (None, why) when the two processes could not measure: the figures are a gloo
+    all-reduce's latency (s) and bandwidth (bytes/s) between two processes on this machine (two fresh interpreters,
+    one thread each, as torchrun starts workers), as t = latency + bytes / bandwidth, its all-gather's bandwidth, and
+    the bytes/s of memory new from the system beyond writing it (the page faults every large allocation pays when
+    glibc returns freed memory to the system, ``MALLOC_MMAP_THRESHOLD_``). Each all-reduce follows some
+    computation, as in a training step, and the mean is taken: the rank that arrives first waits, and waking it
+    costs time. (Back-to-back all-reduces between two threads of one process read several times faster than what
+    a step sees.)"""
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
     procs = [subprocess.Popen([sys.executable, "-c", _GLOO_WORKER, str(r), str(port)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, env=env, text=True) for r in range(2)]
-    results = []
-    for p in procs:
+                              stderr=subprocess.PIPE, env=env, text=True) for r in range(2)]
+    results, failures = [], []
+    for rank, p in enumerate(procs):
+        out = err = ""
         try:
-            out, _ = p.communicate(timeout=120)
+            out, err = p.communicate(timeout=120)
             results.append(json.loads(out.strip().splitlines()[-1]))
-        except Exception:  # pragma: no cover - no loopback networking, or a worker that failed
-            p.kill()
+        except Exception as e:  # no loopback networking, or a worker that failed or hung
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
             results.append(None)
+            last = (err or "").strip().splitlines()[-1:] or [repr(e)]
+            failures.append(f"worker {rank} (exit {p.returncode}): {last[0][:200]}")
     if None in results:
-        return 2e-3, 0.5 * GB, 0.0, 0.0  # a conservative loopback figure when gloo cannot be probed
+        return None, "; ".join(failures)
+    return _gloo_figures(results), None
+
+
+def _gloo_figures(results: list) -> dict:
+    """The record's gloo figures from the two workers' measurements (see :func:`_gloo_probe`)."""
     fresh = min(r.pop("fresh") for r in results)
     ag = {int(k[2:]): max(results[0].pop(k), results[1].pop(k)) for k in list(results[0]) if k.startswith("ag")}
     for r in results[1:]:
@@ -367,6 +430,7 @@ def _gloo_probe() -> tuple:
     latency = t[small]
     # A two-rank ring all-reduce sends each byte once each way: time = latency + bytes / bandwidth.
     bandwidth = (large - small) / max(t[large] - latency, 1e-9)
-    return latency, bandwidth, fresh, all_gather
+    return {"gloo_latency_s": latency, "gloo_bandwidth": bandwidth, "page_fault_bandwidth": fresh,
+            "gloo_all_gather_bandwidth": all_gather}
 
 

@@ -3,7 +3,10 @@
 What a rank holds at rest (per parameter it owns after tensor/pipeline splitting, fp32 master weights whatever the
 compute dtype, as dufu's autocast keeps them):
 
-* parameters 4 B, gradients 4 B, AdamW's two moments 8 B (Rajbhandari et al. 2020's model states);
+* parameters 4 B, gradients 4 B, AdamW's two moments 8 B: the 16 B of Rajbhandari et al. 2020's model states
+  (2 + 2 + K, K = 12, with fp16 weights and gradients beside fp32 master weights; dufu's split is 4 + 4 + 8). A
+  delta run's frozen parameters (:mod:`dufu.delta`) have no gradient and no moments: those are counted for the
+  parameters that train only;
 * under ZeRO (FSDP2 ``fully_shard``) all three are shards, 1/dp each (1/(dp x cp) under context parallelism,
   whose ranks hold the same parameters: "dp" below is the data axis, dp x cp). dufu runs stage 1 with stage-2
   sharding (:mod:`dufu.parallel.data_parallel`), so stages 1 and 2 hold the same;
@@ -18,23 +21,32 @@ layout (tensor-parallel kinds, micro-batch size):
 
 * activations (kept for backward) and temporaries (everything else the step allocates: the fp32 logits and their
   log-softmax, activation gradients, a checkpointed block's recomputation, autocast's low-precision weight copies);
+* autocast's low-precision weight copies: a copy a matmul keeps for backward lives until then; the others stay in
+  autocast's cache until the forward's autocast region ends (:func:`autocast_caches_weights`), every block's (under
+  ZeRO-3 every gathered block's: 2 B per parameter of the whole model when the forward ends);
 * gradients as autograd creates them, block by block in backward. With ZeRO, FSDP2 reduce-scatters a unit's
-  gradient when its backward ends (the full-size gradient plus the reduce-scatter buffer exist at that moment),
-  and keeps only the shard; while gradients accumulate over micro-batches it keeps the full-size gradient
-  (``set_requires_gradient_sync(False)``). ``replicate`` (DDP) copies a unit's gradient into an all-reduce buffer
-  and, while gradients accumulate, keeps the accumulated one apart from the one being computed (measured: 4 B more
-  per parameter);
+  gradient when its backward ends: the full-size gradient is copied into a reduce-scatter input buffer and dropped,
+  the rank keeps its shard, and the buffer lives until the next unit's is made (one in flight,
+  ``FSDPCommContext.reduce_scatter_states``), so at any moment one unit's full-size gradient and one buffer exist,
+  never the blocks' gradients together; while gradients accumulate over micro-batches FSDP2 keeps the full-size
+  gradient (``set_requires_gradient_sync(False)``, as dufu's trainer sets it). ``replicate`` (DDP) copies a
+  unit's gradient into an all-reduce buffer and, while gradients accumulate, keeps the accumulated one apart from
+  the one being computed (measured: 4 B more per parameter);
 * communication buffers: FSDP units' gathered parameters (stages 1-2: each block from its forward to its backward,
-  the root unit - embeddings, head, final norm - for the whole step; stage 3: a block during its forward, and
-  during its backward together with the next one, prefetched; the embedding tables only in forward; the output
-  end from its forward to its backward), following :func:`dufu.parallel.data_parallel.apply_fsdp`. Under
+  the root unit - embeddings, head, final norm - for the whole step; stage 3: a block during its forward (on a
+  GPU together with the next one, whose all-gather FSDP2 issues while the host runs ahead), and during its backward
+  together with the next one, prefetched; the embedding tables only in forward; the output end from its forward to
+  its backward), following :func:`dufu.parallel.data_parallel.apply_fsdp`. Under
   pipeline parallelism torch's stages keep units gathered for the whole step (``set_reshard_after_backward(False)``);
 * pipeline in-flight micro-batches: a rank's activations of the micro-batches it has run forward but not yet
   backward: 1F1B stage r holds min(pp - r, m) (Narayanan et al. 2021), GPipe all m, interleaved 1F1B torch's
   warm-up count ((v - 1) * pp + 2 (pp - r - 1), capped at m v) plus one, in chunks of 1/v of the rank's layers.
 
 The peak is the largest total over the replay of the first micro-batch (no gradients yet) and of a later one
-(gradients of earlier micro-batches present), and the optimizer step.
+(gradients of earlier micro-batches present), and the optimizer step. The replay repeats the traced middle block
+for every middle block; tensors that outlive their block (autocast's cached copies) are counted once per block.
+Checked against measured FSDP2 runs of a 24-layer model (tests/plan/test_plan_fsdp_measured.py) and against the
+ZeRO paper's formulas from 7B to 1T parameters (tests/plan/test_plan_zero_scale.py).
 """
 
 from __future__ import annotations
@@ -58,6 +70,7 @@ class RankMemory:
     where: str
     parts: list = field(default_factory=list)
     held_params: float = 0.0
+    states: dict = field(default_factory=dict)  # model states at rest (the optimizer step): parameters, ...
 
 
 def rank_parts(info: ModelInfo, layout: Layout, setup: Setup) -> list[list[int]]:
@@ -78,19 +91,35 @@ def rank_parts(info: ModelInfo, layout: Layout, setup: Setup) -> list[list[int]]
     return out
 
 
-def part_elems(info: ModelInfo, p: int, tp: int, ep: int = 1) -> float:
+def part_elems(info: ModelInfo, p: int, tp: int, ep: int = 1, trainable: bool = False) -> float:
     """Parameters of part ``p`` one rank holds before ZeRO: a ``1 / tp`` share of those tensor parallelism splits,
-    ``1 / ep`` of the experts."""
+    ``1 / ep`` of the experts; with ``trainable``, of those that train only (a delta run's)."""
     part = info.parts[p]
-    elems = part.params - part.tp_split + part.tp_split / tp
-    if part.experts and ep > 1:
-        elems -= part.experts - part.experts / ep
+    if trainable:
+        total, split, experts = part.trainable, part.trainable_tp_split, part.trainable_experts
+    else:
+        total, split, experts = part.params, part.tp_split, part.experts
+    elems = total - split + split / tp
+    if experts and ep > 1:
+        elems -= experts - experts / ep
     return elems
 
 
-def expert_elems(info: ModelInfo, parts: list[int], ep: int = 1) -> float:
-    """Parameters of MoE experts a rank holding ``parts`` has before ZeRO (``E / ep`` experts per layer)."""
-    return sum(info.parts[p].experts for p in parts) / ep
+def expert_elems(info: ModelInfo, parts: list[int], ep: int = 1, trainable: bool = False) -> float:
+    """Parameters of MoE experts a rank holding ``parts`` has before ZeRO (``E / ep`` experts per layer); with
+    ``trainable``, of those that train only."""
+    return sum(info.parts[p].trainable_experts if trainable else info.parts[p].experts for p in parts) / ep
+
+
+def held_elems(info: ModelInfo, parts: list[int], layout: Layout, trainable: bool = False) -> float:
+    """Parameters (with ``trainable``: that train) a pipeline rank holding ``parts`` has before ZeRO, the last
+    stage's own copy of a tied embedding included."""
+    tp, pp, ep = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.expert_parallel_size
+    last = len(info.parts) - 1
+    elems = sum(part_elems(info, p, tp, ep, trainable) for p in parts)
+    if info.tied and pp > 1 and last in parts and 0 not in parts and (info.tied_trainable or not trainable):
+        elems += info.tied_elems / tp  # the last stage's own copy of the tied embedding
+    return elems
 
 
 def owned(nbytes: float, elems: float, experts: float, layout: Layout) -> float:
@@ -159,11 +188,13 @@ class _Units:
                 self.unit_of[p] = "root"
 
 
-def estimate_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup) -> tuple[RankMemory, list]:
-    """(the worst rank's peak, every pipeline rank's) for ``layout``."""
+def estimate_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup,
+                    asynchronous: bool = False) -> tuple[RankMemory, list]:
+    """(the worst rank's peak, every pipeline rank's) for ``layout``; ``asynchronous``: a device whose host runs
+    ahead of its kernels (a GPU), where FSDP2 gathers the next unit while the current one computes."""
     ranks = []
     for r, parts in enumerate(rank_parts(info, layout, setup)):
-        ranks.append(_rank_memory(info, trace, layout, setup, r, parts))
+        ranks.append(_rank_memory(info, trace, layout, setup, r, parts, asynchronous))
     worst = max(ranks, key=lambda x: x.peak)
     return worst, ranks
 
@@ -181,18 +212,15 @@ def _storage_bytes(trace: Trace, sid: int, layout: Layout) -> float:
 
 
 def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, rank: int,
-                 parts: list[int]) -> RankMemory:
+                 parts: list[int], asynchronous: bool = False) -> RankMemory:
     tp, dp, pp = layout.tensor_parallel_size, layout.data_axis_size, layout.pipeline_parallel_size
     zero, ep = layout.zero_stage, layout.expert_parallel_size
     m = layout.num_accumulation_steps
-    last = len(info.parts) - 1
-    elems = sum(part_elems(info, p, tp, ep) for p in parts)
-    if info.tied and pp > 1 and last in parts and 0 not in parts:
-        elems += info.tied_elems / tp  # the last stage's own copy of the tied embedding
-    experts = expert_elems(info, parts, ep)
+    elems, trained = held_elems(info, parts, layout), held_elems(info, parts, layout, trainable=True)
+    experts, trained_experts = expert_elems(info, parts, ep), expert_elems(info, parts, ep, trainable=True)
     static = {k: 0.0 for k in KEYS}
     static["parameters"] = owned(4.0, elems, experts, layout)
-    static["optimizer"] = owned(8.0, elems, experts, layout)
+    static["optimizer"] = owned(8.0, trained, trained_experts, layout)  # AdamW's moments of what trains
     if zero >= 3 and info.tied and pp == 1:
         static["parameters"] += 4.0 * info.tied_elems / tp / dp  # the output unit's sharded copy
         static["optimizer"] += 0.0  # the copy is left out of the optimizer (TiedCopies)
@@ -204,9 +232,10 @@ def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, ra
     if cast_cache:
         static["temporaries"] += sum(_storage_bytes(trace, sid, layout) for sid in _wcast_sids(info, trace, parts))
     events = _events_by_part(trace)
+    replay = dict(cast_cache=cast_cache, prefetch_forward=asynchronous, autocast_cache=autocast_caches_weights(layout))
     # pass 1: one micro-batch's saved activations (for the in-flight ones)
     saved_one = _replay(info, trace, layout, parts, events, static, units, accumulated=False, sync=False,
-                        cast_cache=cast_cache, inflight=0.0, saved_only=True)
+                        inflight=0.0, saved_only=True, **replay)
     recv = 0.0
     if pp > 1 and 0 not in parts:
         first_block = next(p for p in parts if info.parts[p].kind == "block")
@@ -220,18 +249,27 @@ def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, ra
     results = []
     sync_first = m == 1 and pp == 1
     results.append(_replay(info, trace, layout, parts, events, static, units, accumulated=False, sync=sync_first,
-                           cast_cache=cast_cache, inflight=inflight, recv=recv))
+                           inflight=inflight, recv=recv, **replay))
     if m >= 2 or pp > 1:
         results.append(_replay(info, trace, layout, parts, events, static, units, accumulated=True,
-                               sync=(pp == 1), cast_cache=cast_cache, inflight=inflight, recv=recv))
-    # the optimizer step: model states with the (reduced) gradients
+                               sync=(pp == 1), inflight=inflight, recv=recv, **replay))
+    # the optimizer step: model states with the (reduced) gradients of what trains
     opt = dict(static)
-    opt["gradients"] = owned(4.0, elems, experts, layout)
+    opt["gradients"] = owned(4.0, trained, trained_experts, layout)
     if zero and pp == 1:
         opt["communication"] = 0.0
     results.append((sum(opt.values()), opt, "optimizer step"))
     peak, breakdown, where = max(results, key=lambda x: x[0])
-    return RankMemory(rank, peak, breakdown, where, parts, elems)
+    states = {k: opt[k] for k in ("parameters", "gradients", "optimizer")}
+    return RankMemory(rank, peak, breakdown, where, parts, elems, states)
+
+
+def autocast_caches_weights(layout: Layout) -> bool:
+    """Whether the run's autocast keeps its cache of low-precision weight copies for the whole forward, as
+    ``dufu.engine.runtime.Runtime.autocast`` enters ``torch.autocast`` (its default ``cache_enabled=True``, in
+    every layout). Then every block's copy is alive when the forward ends, under ZeRO-3 a copy of every gathered
+    weight (2 B per parameter of the whole model, not of a shard). Measured: tests/plan/test_plan_fsdp_measured.py."""
+    return True
 
 
 def trace_dtype_low(setup: Setup) -> bool:
@@ -253,20 +291,35 @@ def _wcast_sids(info: ModelInfo, trace: Trace, parts: list[int]) -> list[int]:
 def _events_by_part(trace: Trace) -> dict:
     if getattr(trace, "_by_part", None) is None:
         by: dict = {}
+        born: dict = {}
+        died: dict = {}
         for part, phase, sign, sid in trace.events:
             by.setdefault((part, phase), []).append((sign, sid))
+            (born if sign > 0 else died)[sid] = (part, phase)
         trace._by_part = by
+        trace._born, trace._died = born, died
         trace._segments = {}
     return trace._by_part
 
 
-_COUNTERS = ("saved", "temp", "wcast", "grad")
+_COUNTERS = ("saved", "temp", "wcast", "grad", "held")
+
+
+def _held_cast(trace: Trace, sid: int) -> bool:
+    """A weight cast made in forward that autocast's cache keeps until the forward ends: freed in the forward of
+    a later part (in the trace, when the forward's autocast region exits), not kept for backward. Every block makes
+    its own, so all of them are alive when the forward ends, however few blocks were traced."""
+    born, died = trace._born.get(sid), trace._died.get(sid)
+    return (trace.storages[sid].category == "wcast" and born is not None and born[1] == "fwd" and died is not None
+            and died[1] == "fwd" and died[0] != born[0])
 
 
 def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool, accumulated: bool) -> tuple:
     """One traced part's events in one phase, summarised for the replay: (net change per counter, the largest
     excursion of the total above its starting value, the counters at that moment, the part's own gradients, of
-    those the MoE experts'). Computed once per traced part, phase and the layout's sizes."""
+    those the MoE experts'). Computed once per traced part, phase and the layout's sizes. Weight casts autocast's
+    cache keeps (:func:`_held_cast`) count as ``held`` where they are made, and their frees are left to the end of
+    the forward (:func:`_replay`)."""
     key = (q, phase, layout.micro_batch_size, layout.tensor_parallel_size, layout.sequence_parallel, cast_cache,
            accumulated)
     cache = trace._segments
@@ -282,7 +335,12 @@ def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool,
         if s.category == "wcast":
             if cast_cache:
                 continue
-            k = "wcast"
+            if _held_cast(trace, sid):
+                if sign < 0:
+                    continue  # freed with every other block's when the forward ends
+                k = "held"
+            else:
+                k = "wcast"
         elif s.category == "grad":
             if accumulated:
                 if sign > 0:  # added to the accumulated gradient, then freed: a moment's extra
@@ -306,23 +364,27 @@ def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool,
 
 
 def _replay(info, trace, layout, parts, events, static, units, *, accumulated: bool, sync: bool, cast_cache: bool,
-            inflight: float, recv: float = 0.0, saved_only: bool = False):
+            inflight: float, recv: float = 0.0, saved_only: bool = False, prefetch_forward: bool = False,
+            autocast_cache: bool = True):
     """Walk one micro-batch's forward and backward over this rank's parts; returns (peak, breakdown, where), or with
-    ``saved_only`` the activations kept at the end of the forward."""
+    ``saved_only`` the activations kept at the end of the forward.
+
+    FSDP units (ZeRO, see the module docstring) are gathered and freed around each part: under ZeRO-3 a block's
+    parameters only for its forward (with ``prefetch_forward``, a GPU's, together with the next block's, whose
+    all-gather FSDP2 issues while this one computes) and for its backward (together with the next block's,
+    FSDP2's backward prefetch). When a unit's backward ends, its gradients are reduce-scattered
+    (:func:`_end_of_backward`)."""
     tp, pp, zero = layout.tensor_parallel_size, layout.pipeline_parallel_size, layout.zero_stage
-    c = {"saved": 0.0, "temp": 0.0, "wcast": 0.0, "grad": 0.0, "comm": 0.0}
+    c = {"saved": 0.0, "temp": 0.0, "wcast": 0.0, "grad": 0.0, "held": 0.0, "comm": 0.0}
     base = dict(static)
     base["pipeline_in_flight"] += inflight
-    last = len(info.parts) - 1
-    elems_total = sum(part_elems(info, p, tp, layout.expert_parallel_size) for p in parts)
-    if info.tied and pp > 1 and last in parts and 0 not in parts:
-        elems_total += info.tied_elems / tp
+    trained_total = held_elems(info, parts, layout, trainable=True)
     if accumulated:
-        base["gradients"] += 4.0 * elems_total  # the full-size gradients of earlier micro-batches
+        base["gradients"] += 4.0 * trained_total  # the full-size gradients of earlier micro-batches
         if units is None and layout.data_axis_size > 1:
             # replicate (DDP on FSDP2) keeps what earlier micro-batches accumulated apart from the gradient being
             # computed, summing them when the unit's backward ends (measured: 4 B more per parameter)
-            base["gradients"] += 4.0 * elems_total
+            base["gradients"] += 4.0 * trained_total
     c["comm"] += recv
     base_total = sum(base.values())
     best = [-1.0, None, ""]
@@ -330,7 +392,7 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
     def breakdown(counters: dict, extra: float, extra_key: str) -> dict:
         bd = dict(base)
         bd["activations"] += counters["saved"]
-        bd["temporaries"] += counters["temp"] + counters["wcast"]
+        bd["temporaries"] += counters["temp"] + counters["wcast"] + counters["held"]
         bd["gradients"] += counters["grad"]
         bd["communication"] += counters["comm"]
         bd[extra_key] += extra
@@ -365,12 +427,14 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
         for idx, p in enumerate(order):
             q = info.mapping[p]
             unit = units.unit_of.get(p) if units is not None else None
+            nxt = order[idx + 1] if idx + 1 < len(order) else None
             if unit is not None:
                 if phase == "fwd":
                     gather(unit)
+                    if prefetch_forward and zero >= 3 and nxt is not None and info.parts[nxt].kind == "block":
+                        gather(units.unit_of[nxt])  # FSDP2's all-gather of the next unit, issued ahead
                 elif zero >= 3 and unit != "embeddings":
                     gather(unit)
-                    nxt = order[idx + 1] if idx + 1 < len(order) else None
                     if nxt is not None and info.parts[nxt].kind == "block":
                         gather(units.unit_of[nxt])  # FSDP2's backward prefetch of the next unit
             net, excursion, at, grads, experts = _segment(trace, q, phase, layout, cast_cache, accumulated)
@@ -386,6 +450,8 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
                 part_grads[p] = part_grads.get(p, 0.0) + grads
             if experts:
                 expert_grads[p] = expert_grads.get(p, 0.0) + experts
+            if not autocast_cache:
+                c["held"] = 0.0  # without autocast's cache a weight cast is freed once its block's forward ends
             if phase == "fwd" and saved_only and idx == len(order) - 1:
                 return c["saved"]
             if phase == "fwd" and unit is not None and zero >= 3 and (
@@ -394,6 +460,9 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
             if phase == "bwd":
                 _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync, accumulated, parts,
                                  expert_grads)
+        if phase == "fwd":
+            c["held"] = 0.0  # the forward's autocast region ends: its cache of weight casts is dropped
+    c["comm"] -= part_grads.pop("reduce-scatter input", 0.0)  # FSDP2's last one, released as backward ends
     if saved_only:
         return c["saved"]
     return best[0], best[1], best[2]
@@ -401,7 +470,12 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
 
 def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync, accumulated, parts,
                      expert_grads) -> None:
-    """What data parallelism does when part ``p``'s backward ends (see the module docstring)."""
+    """What data parallelism does when part ``p``'s backward ends (see the module docstring).
+
+    FSDP2 (ZeRO) copies the unit's full-size gradients into a reduce-scatter input buffer, reduces, keeps this
+    rank's shard and drops the full-size gradients; the buffer itself is kept until the next unit's
+    reduce-scatter is issued (``FSDPCommContext.reduce_scatter_states``, one buffer in flight by default), so
+    one unit's worth of it is alive through the next unit's backward."""
     dp, zero, ep = layout.data_axis_size, layout.zero_stage, layout.expert_parallel_size
     if units is None:
         if dp > 1 and sync:
@@ -425,21 +499,29 @@ def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync
         members = [q for q in parts if units.unit_of.get(q) == "root"]
     else:
         members = [p]
-    if sync and accumulated:
-        # the last micro-batch: the accumulated full-size gradient goes through the reduce-scatter buffer
-        full = sum(4.0 * part_elems(info, q, layout.tensor_parallel_size, ep) for q in members)
-        check(f"end of the backward of {info.parts[p].name} (reduce-scatter)", full)
-    if sync and not accumulated:
-        grads = sum(max(part_grads.get(q, 0.0), 0.0) for q in members)
-        # FSDP2 copies the unit's gradients into the reduce-scatter input, then keeps this rank's shard
-        check(f"end of the backward of {info.parts[p].name} (reduce-scatter)", grads)
+    if sync:
+        tp = layout.tensor_parallel_size
+        if accumulated:
+            # the last micro-batch: the accumulated full-size gradient (in the replay's base) is reduced
+            grads = {q: 4.0 * part_elems(info, q, tp, ep, trainable=True) for q in members}
+            experts = {q: 4.0 * info.parts[q].trainable_experts / ep for q in members}
+        else:
+            grads = {q: max(part_grads.get(q, 0.0), 0.0) for q in members}
+            experts = {q: max(expert_grads.get(q, 0.0), 0.0) for q in members}
+        full = sum(grads.values())
+        if full:
+            c["comm"] -= part_grads.pop("reduce-scatter input", 0.0)  # the previous unit's buffer is reclaimed
+            check(f"end of the backward of {info.parts[p].name} (reduce-scatter)", full)
+            c["comm"] += full
+            part_grads["reduce-scatter input"] = full
         for q in members:
-            g = max(part_grads.get(q, 0.0), 0.0)
-            e = min(max(expert_grads.get(q, 0.0), 0.0), g)
+            g = grads[q]
+            e = min(experts[q], g)
             # the experts' shard is 1 / (dp / ep) of their gradients (over expert_data), the rest's 1 / dp
             kept = g / dp if not e or ep == 1 else (g - e) / dp + e / (dp // ep)
             c["grad"] -= g - kept
-            part_grads[q] = kept
+            if not accumulated:
+                part_grads[q] = kept
     if unit != "embeddings" or zero < 3:
         release(unit)
     if zero >= 3 and unit == "last":

@@ -36,6 +36,7 @@ from dufu.parallel.checks import validate_layout
 from dufu.parallel.parallel_dims import ParallelDims
 from dufu.plan.hardware import Hardware, get_hardware
 from dufu.engine.schema import AUTO_KEYS, is_auto
+from dufu.plan.cpu import assumed_figures
 from dufu.plan.candidates import (CP_KEY, EP_KEY, context_parallel_sizes, fixed_int, pipeline_counts_differ,
                                   structures, with_micro_batches)
 from dufu.plan.layout import Layout, Setup, layout_text, setup_from_config
@@ -70,6 +71,8 @@ class Estimate:
     memory_limit_bytes: int  # what tensors may use on one device (its memory less what the runtime keeps)
     peak_where: str
     memory_by_rank: list = field(default_factory=list)  # per pipeline rank: peak bytes
+    # the worst rank's model states at rest (its optimizer step): {"parameters", "gradients", "optimizer"} bytes
+    model_states: dict = field(default_factory=dict)
     reason: str = ""  # why it is not the best ("slower: ...", "does not fit: ...")
     notes: list = field(default_factory=list)
 
@@ -86,8 +89,8 @@ class Estimate:
             "fits": self.fits, "memory": self.memory, "time": self.time, "tokens_per_s": self.tokens_per_s,
             "samples_per_s": self.samples_per_s, "model_tflops_per_gpu": self.model_tflops_per_gpu, "mfu": self.mfu,
             "memory_limit_bytes": self.memory_limit_bytes, "peak_where": self.peak_where,
-            "memory_by_rank": self.memory_by_rank, "dtype": self.dtype, "world_size": self.world_size,
-            "hardware": self.hardware, "reason": self.reason,
+            "memory_by_rank": self.memory_by_rank, "model_states": self.model_states, "dtype": self.dtype,
+            "world_size": self.world_size, "hardware": self.hardware, "reason": self.reason,
         }
 
 
@@ -112,10 +115,10 @@ _INFO_CACHE: "OrderedDict[str, ModelInfo]" = OrderedDict()
 
 
 def model_info(cfg) -> ModelInfo:
-    """The model of ``cfg`` (built once per distinct model and sequence settings, kept for a few configs)."""
+    """The model of ``cfg`` (built once per distinct model, delta and sequence settings, kept for a few configs)."""
     train = cfg.get("dataloader", {}).get("train", {})
-    key = repr(cfg.model) + "|" + repr({k: train.get(k) for k in ("seq_length", "inputs_length", "image_size")
-                                        if hasattr(train, "get")})
+    key = repr(cfg.model) + "|" + repr(cfg.get("delta")) + "|" + repr(
+        {k: train.get(k) for k in ("seq_length", "inputs_length", "image_size") if hasattr(train, "get")})
     if key in _INFO_CACHE:
         _INFO_CACHE.move_to_end(key)
         return _INFO_CACHE[key]
@@ -205,7 +208,7 @@ def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_
     """The estimate of a layout already known to be valid."""
     trace = get_trace(info, setup.dtype, layout.activation_checkpoint or None, "cpu" if hw.synchronous else "cuda",
                       layout.expert_parallel_size, layout.context_parallel_size)
-    worst, ranks = estimate_memory(info, trace, layout, setup)
+    worst, ranks = estimate_memory(info, trace, layout, setup, asynchronous=not hw.synchronous)
     times, details = estimate_time(info, trace, layout, setup, hw, world_size)
     step = details["step_time_s"]
     samples = layout.global_batch_size
@@ -229,7 +232,14 @@ def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_
         hardware_flops_per_gpu_step=details["flops_per_rank_step"], memory_limit_bytes=limit,
         peak_where=f"pipeline rank {worst.rank}, {worst.where}" if layout.pipeline_parallel_size > 1 else worst.where,
         memory_by_rank=[int(r.peak) for r in ranks],
+        model_states={k: int(round(v)) for k, v in worst.states.items()},
     )
+    assumed = assumed_figures(hw)
+    if assumed:
+        est.notes.append(f"{hw.name}: {assumed} -- assumed, not measured; the step time rests on these stand-ins")
+    if info.trainable < info.num_params:
+        est.notes.append(f"delta run: {info.trainable:,} of {info.num_params:,} parameters train; gradients and "
+                         "optimizer states are counted for those only")
     if layout.zero_stage == 1:
         est.notes.append("ZeRO stage 1 runs with stage-2 sharding in dufu (same communication, less memory)")
     if info.expert_counts:

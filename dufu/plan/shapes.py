@@ -9,6 +9,14 @@ the plan dufu applies), which form FSDP units of their own under ZeRO-3
 (:func:`dufu.parallel.data_parallel.end_units`) and which are the experts of mixture-of-experts layers (every
 expert is counted: a rank holds all of them, or ``E / ep`` under expert parallelism; only the FLOPs are those of
 the ``top_k`` experts a token uses, see :mod:`dufu.plan.experts`).
+
+A delta run (the config's ``delta``: LoRA, adapters, BitFit, freezing) is planned on the model with its delta
+applied, as :func:`dufu.engine.preflight.build_model` applies it: every part also counts the parameters that train
+(``requires_grad``, what the trainer's optimizer takes), for which alone gradients and optimizer states exist. A
+transformers model run as-is (:class:`dufu.models.hf_auto.HFAutoModel`) is planned from its Hugging Face config,
+built on the meta device like any other: its decoder layers are the blocks, everything else is the first part
+(it declares no ``pipeline_layout``, so tensor and pipeline parallelism, which ``dufu train`` refuses for it, are
+not among its layouts either).
 """
 
 from __future__ import annotations
@@ -23,12 +31,12 @@ from torch import nn
 
 from dufu.config import instantiate
 from dufu.data.span_corruption import compute_lengths
+from dufu.delta import apply_delta
 from dufu.engine.reporting.report import model_flops_per_token
 from dufu.errors import ConfigError, DufuError
 from dufu.models.base import contract_of
 from dufu.parallel.data_parallel import end_units
 from dufu.parallel.expert_parallel import expert_modules
-from dufu.parallel.materialize import supports_meta_init
 from dufu.parallel.parallelize_utils import transformer_blocks
 from dufu.parallel.tensor_parallel import tensor_parallel_plan
 
@@ -73,6 +81,11 @@ class Part:
     last_unit_tp_split: int = 0
     trace_index: int = 0  # the traced part whose ops and memory this part repeats
     experts: int = 0  # of ``params``, elements of MoE experts (split over the expert-parallel ranks, not by TP)
+    # of ``params``, elements that train (``requires_grad``; all but a delta run's frozen base), and of those the
+    # ones tensor parallelism splits and the MoE experts': only they have gradients and optimizer states
+    trainable: int = 0
+    trainable_tp_split: int = 0
+    trainable_experts: int = 0
 
 
 @dataclass
@@ -205,6 +218,8 @@ class ModelInfo:
     reduced: Optional[nn.Module] = None  # the shortened copy that is traced
     traces: dict = field(default_factory=dict)
     expert_counts: tuple = ()  # num_experts of every MoE layer (empty: a dense model)
+    trainable: int = 0  # parameters that train (``num_params`` but for a delta run's frozen base)
+    tied_trainable: bool = True  # the tied embedding trains (a copy of it has a gradient and moments)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
@@ -271,28 +286,37 @@ def _input_builder(model: nn.Module, seq: int, target_len: Optional[int]):
 
 
 def build_model_info(cfg) -> ModelInfo:
-    """Build ``cfg.model`` on the meta device and read its parts (see the module docstring)."""
+    """Build ``cfg.model`` on the meta device, with the config's ``delta`` applied, and read its parts (see the
+    module docstring)."""
     try:
         with torch.device("meta"):
             model = instantiate(cfg.model)
+            delta = cfg.get("delta") if hasattr(cfg, "get") else None
+            if delta is not None:  # before any split, as dufu.engine.preflight.build_model applies it
+                apply_delta(model, instantiate(delta))
     except (ValueError, TypeError) as e:
         if isinstance(e, DufuError):
             raise
         raise ConfigError(f"the model cannot be built from model.*: {e}. Fix those keys in the config.") from None
-    if not supports_meta_init(model) or not transformer_blocks(model):
+    if not transformer_blocks(model):
         raise ConfigError(
-            f"dufu plan reads the shapes of a dufu model family (GPT, LLaMA, BERT, T5, ViT, Swin), built from "
-            f"dufu.layers; {type(model).__name__} is not one. Plan the equivalent dufu family config instead."
+            f"dufu plan reads a model's transformer blocks (the children of a ModuleDict or ModuleList that carry a "
+            f"layer_idx); {type(model).__name__} has none. Plan a dufu model family (GPT, LLaMA, BERT, T5, ViT, "
+            "Swin) or a transformers model through dufu.models.hf_auto.HFAutoModel, which marks its layers."
         )
     seq, target = sequence_lengths(cfg, model)
     parts, tied_elems = _parts(model, transformer_blocks(model), end_units)
     num_params = sum(p.params for p in parts)
+    trainable = sum(p.trainable for p in parts)
+    wte = contract_of(model).token_embedding()
+    tied_trainable = not tied_elems or wte is None or wte.weight.requires_grad
     tokens_per_sample = 1 if contract_of(model).main_input_name == "pixel_values" else seq
     flops_per_token = model_flops_per_token(model, seq) if tokens_per_sample > 1 else 0.0
     info = ModelInfo(model, type(model).__name__, parts, num_params, seq, tokens_per_sample, flops_per_token,
                      tied=tied_elems > 0, tied_elems=tied_elems, inputs=_input_builder(model, seq, target),
                      mapping=shortening(model)[1],
-                     expert_counts=tuple(m.num_experts for _, m in expert_modules(model)))
+                     expert_counts=tuple(m.num_experts for _, m in expert_modules(model)), trainable=trainable,
+                     tied_trainable=tied_trainable)
     return info
 
 
@@ -305,7 +329,9 @@ def shortening(model: nn.Module) -> tuple[dict, list[int]]:
 
     Of every stack whose blocks are all alike, three are kept: the first, the last but one (standing for every
     middle block) and the last (the blocks next to the embeddings and the head see their neighbours' tensors saved
-    and freed differently). Returns ({container: [(key, block) removed]}, mapping)."""
+    and freed differently). A ``ModuleList`` stack (a transformers model's layers) is traced whole: the trace
+    removes blocks by key, which only a ``ModuleDict`` keeps. Returns ({container: [(key, block) removed]},
+    mapping)."""
     containers: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, b in transformer_blocks(model):
         containers.setdefault(name.rsplit(".", 1)[0], []).append((name.rsplit(".", 1)[1], b))
@@ -314,7 +340,8 @@ def shortening(model: nn.Module) -> tuple[dict, list[int]]:
     traced = 0
     for cname, members in containers.items():
         n = len(members)
-        if len({_signature(b) for _, b in members}) != 1 or n <= 3:
+        listed = isinstance(model.get_submodule(cname), nn.ModuleList)
+        if listed or len({_signature(b) for _, b in members}) != 1 or n <= 3:
             kept_index.extend(traced + j for j in range(n))
             traced += n
             continue
@@ -378,6 +405,10 @@ def _parts(model: nn.Module, blocks: list, end_units) -> tuple[list[Part], int]:
             part.tp_split += p.numel()
         if id(p) in experts:
             part.experts += p.numel()
+        if p.requires_grad:
+            part.trainable += p.numel()
+            part.trainable_tp_split += p.numel() if id(p) in split else 0
+            part.trainable_experts += p.numel() if id(p) in experts else 0
     embeddings, last = end_units(model)
     parts[0].embedding_unit = sum(p.numel() for m in embeddings for p in m.parameters())
     tied_elems = 0

@@ -5,12 +5,15 @@ from __future__ import annotations
 import pytest
 
 from plan_testing import load
+from dufu.config import instantiate
+from dufu.errors import LayoutError
 from dufu.plan import estimate
 from dufu.plan.search import model_info
 from dufu.plan.trace import get_trace
 from dufu.plan.timing import lin
 
-FAMILIES = ["gpt_debug", "llama_debug", "bert_debug", "t5_debug", "vit_debug", "swin_debug", "bert_classify_debug"]
+FAMILIES = ["gpt_debug", "llama_debug", "bert_debug", "t5_debug", "vit_debug", "swin_debug", "bert_classify_debug",
+            "hf_auto_gpt_neox_debug"]
 
 
 def traced_matmul_flops(cfg, b: int = 1) -> float:
@@ -72,3 +75,23 @@ def test_encoder_decoder_and_image_models_count_their_sequences():
     assert t5.num_layers == 2 * 2 and t5.tokens_per_sample == t5.seq_length  # encoder + decoder blocks
     vit = model_info(load("vit_debug"))
     assert vit.tokens_per_sample == 1  # image classifiers count samples
+
+
+def test_a_transformers_model_run_as_is_is_planned_from_its_config(test_cpu):
+    """HFAutoModel (dufu.models.hf_auto): built on the meta device from its Hugging Face config like any family;
+    its decoder layers are the blocks (and ZeRO-3's units), what it declares no split for is refused as dufu
+    train refuses it."""
+    cfg = load("hf_auto_gpt_neox_debug", "train.train_micro_batch_size=4")
+    info = model_info(cfg)
+    real = instantiate(cfg.model)  # transformers' GPTNeoXForCausalLM with weights
+    n = sum(p.numel() for p in real.parameters())
+    assert info.num_params == n and info.num_layers == 2 and info.trainable == n
+    # every matrix but the input embedding takes part in a matmul: 6 FLOPs per weight and token
+    matrices = sum(p.numel() for name, p in real.named_parameters() if p.dim() == 2 and "embed_in" not in name)
+    assert traced_matmul_flops(cfg, b=4) == pytest.approx(6 * matrices * 4 * 32, rel=0.01)
+    zero3 = estimate(load("hf_auto_gpt_neox_debug", "train.dist.data_parallel_size=2",
+                          "train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"), 2, test_cpu)
+    assert zero3.model_states == {"parameters": 4 * n / 2, "gradients": 4 * n / 2, "optimizer": 8 * n / 2}
+    assert zero3.memory["communication"] > 0  # its layers gathered one at a time, the rest (the root) for the step
+    with pytest.raises(LayoutError, match="tensor parallelism needs a model built from dufu layers"):
+        estimate(load("hf_auto_gpt_neox_debug", "train.dist.tensor_parallel_size=2"), 2, test_cpu)
