@@ -159,7 +159,7 @@ def test_sequence_parallelism_passes_preflight(recipe, tmp_path):
     "world_size, overrides",
     [
         (4, [f"{DP}=-1", f"{TP}=2"]),  # dp inferred: 4 / 2 = 2
-        (4, [f"{TP}=-1", f"{PP}=2", f"{ACCUM}=2"]),  # tp inferred: 4 / 2 = 2
+        (4, [f"{DP}=1", f"{TP}=-1", f"{PP}=2", f"{ACCUM}=2"]),  # tp inferred: 4 / 2 = 2 (dp set: -1 by default)
         (2, [f"{PP}=2", f"{ACCUM}=2"]),
         (2, [f"{PP}=2", f"{SCHEDULE}=interleaved_1f1b", f"{VIRTUAL}=2", f"{ACCUM}=2", "model.num_layers=4"]),
         (2, [f"{DP}=2", "train.zero_optimization.enabled=True"]),
@@ -181,6 +181,15 @@ def test_data_parallel_takes_the_processes_left_by_default(world_size, overrides
     cfg = load_config("gpt_debug", [*overrides, f"train.output_dir={tmp_path / 'run'}"])
     assert cfg.train.dist.data_parallel_size == -1
     assert plan_run(cfg, world_size).dims.describe() == expected
+
+
+def test_the_launch_advice_counts_processes_in_words():
+    with pytest.raises(LayoutError) as info:
+        ParallelDims(data_parallel_size=1, world_size=2)
+    assert "Launch 1 process (dufu train ... --nproc 1)" in str(info.value)
+    with pytest.raises(LayoutError) as info:
+        ParallelDims(data_parallel_size=4, world_size=2)
+    assert "Launch 4 processes (dufu train ... --nproc 4)" in str(info.value)
 
 
 def test_two_inferred_sizes_name_the_default():
@@ -214,7 +223,8 @@ def test_tp_not_dividing_hidden_size():
 
 
 def test_cli_reports_a_bad_layout_in_one_paragraph(run_cli):
-    proc = run_cli("train", "gpt_debug", "--nproc", "2", "train.dist.tensor_parallel_size=3")
+    proc = run_cli("train", "gpt_debug", "--nproc", "2", "train.dist.tensor_parallel_size=3",
+                   "train.dist.data_parallel_size=1")
     assert proc.returncode == 2, proc.stderr
     err = proc.stderr.strip()
     assert "Traceback" not in proc.stderr and "Traceback" not in proc.stdout
