@@ -440,12 +440,7 @@ def assert_weights_match(state: dict, ref_state: dict, what: str, lrs, betas=(0.
     b1, b2 = betas
     total_lr = sum(lrs)
     reach = sum(lr * adam_ratio_bound(t, b1, b2) for t, lr in enumerate(lrs, start=1))
-    assert set(state) == set(ref_state), f"{what}: parameters differ: {sorted(set(state) ^ set(ref_state))[:10]}"
-    for name, ref in ref_state.items():
-        got = state[name]
-        assert got.shape == ref.shape, f"{what}: {name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-        got, ref = got.double(), ref.double()
-        diff = (got - ref).abs()
+    for name, got, ref, diff in _compared(state, ref_state, what):
         hard = 2 * (reach + total_lr * weight_decay * (ref.abs().max().item() if ref.numel() else 0.0))
         worst = diff.max().item() if diff.numel() else 0.0
         assert worst <= hard, (
@@ -503,12 +498,7 @@ def assert_sgd_weights_match(state: dict, ref_state: dict, what: str, lrs, grad_
     delta = PRECISIONS[precision].grad_norm_rel
     path = sum(lr * sum(mu ** k * grad_norms[t - k] for k in range(t + 1)) for t, lr in enumerate(lrs))
     rounding = 2 * len(lrs) * FP32_UNIT_ROUNDOFF
-    assert set(state) == set(ref_state), f"{what}: parameters differ: {sorted(set(state) ^ set(ref_state))[:10]}"
-    for name, ref in ref_state.items():
-        got = state[name]
-        assert got.shape == ref.shape, f"{what}: {name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
-        got, ref = got.double(), ref.double()
-        diff = (got - ref).abs()
+    for name, got, ref, diff in _compared(state, ref_state, what):
         bound = rounding * (ref.abs() + path) + delta * path
         beyond = int((diff > bound).sum())
         if beyond:
@@ -518,6 +508,17 @@ def assert_sgd_weights_match(state: dict, ref_state: dict, what: str, lrs, grad_
                 f"{rounding:.2g} (|w| + {path:.3g}) + {delta:g} x {path:.3g} (sum of lr x gradient norm); worst "
                 f"at {_where(diff - bound)}: got {got.flatten()[worst].item():.6g}, single-process "
                 f"{ref.flatten()[worst].item():.6g}, difference {diff.flatten()[worst].item():.3g}")
+
+
+def _compared(state: dict, ref_state: dict, what: str):
+    """(name, weights, reference weights, |difference|) of every parameter, in float64, once the two states are
+    known to hold the same parameters of the same shapes."""
+    assert set(state) == set(ref_state), f"{what}: parameters differ: {sorted(set(state) ^ set(ref_state))[:10]}"
+    for name, ref in ref_state.items():
+        got = state[name]
+        assert got.shape == ref.shape, f"{what}: {name}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+        got, ref = got.double(), ref.double()
+        yield name, got, ref, (got - ref).abs()
 
 
 def _where(diff: torch.Tensor) -> tuple:
