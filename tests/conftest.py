@@ -134,6 +134,25 @@ def shared_runs(request, tmp_path_factory, dufu_cache_dir):
     return make
 
 
+# Every test file this session collected a test from, or whose module it skipped whole at import: the files CI's
+# collection sees (tests/test_collection.py), recorded before any -k / -m deselection.
+COLLECTED: set[str] = set()
+
+
+def pytest_itemcollected(item):
+    COLLECTED.add(Path(str(item.path)).resolve().relative_to(launch.REPO).as_posix())
+
+
+def pytest_collectreport(report):
+    if report.skipped and report.nodeid.endswith(".py"):
+        COLLECTED.add(report.nodeid)
+
+
+@pytest.fixture(scope="session")
+def collected_files() -> set[str]:
+    return COLLECTED
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _no_process_outlives_the_session():
     yield

@@ -178,7 +178,12 @@ class Runtime:
         also hold for the loss's backward (while autocast should not). Not to be nested in itself."""
         ctx = contextlib.ExitStack()
         if self.amp_dtype is not None and amp:
-            ctx.enter_context(torch.autocast(self.device.type, dtype=self.amp_dtype))
+            # Under ZeRO-3 every block's weights are gathered for its forward and freed after it; autocast's cache
+            # would keep a low-precision copy of each gathered weight until the forward ends, 2 bytes per
+            # parameter of the whole model on every rank (dufu.plan.memory.autocast_caches_weights). Without it,
+            # a block's copies live as long as its backward needs them (none under full recomputation).
+            zero3 = self.cfg.train.zero_optimization.enabled and self.cfg.train.zero_optimization.stage >= 3
+            ctx.enter_context(torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=not zero3))
         if self.dims.tp_enabled and loss:
             # Cross entropy on vocabulary-sharded logits: no rank gathers the full (B, T, V) tensor.
             ctx.enter_context(loss_parallel())

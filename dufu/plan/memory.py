@@ -22,8 +22,8 @@ layout (tensor-parallel kinds, micro-batch size):
 * activations (kept for backward) and temporaries (everything else the step allocates: the fp32 logits and their
   log-softmax, activation gradients, a checkpointed block's recomputation, autocast's low-precision weight copies);
 * autocast's low-precision weight copies: a copy a matmul keeps for backward lives until then; the others stay in
-  autocast's cache until the forward's autocast region ends (:func:`autocast_caches_weights`), every block's (under
-  ZeRO-3 every gathered block's: 2 B per parameter of the whole model when the forward ends);
+  autocast's cache until the forward's autocast region ends (:func:`autocast_caches_weights`), every block's; under
+  ZeRO-3 the runtime runs autocast without its cache, so a gathered block's copies go with its forward;
 * gradients as autograd creates them, block by block in backward. With ZeRO, FSDP2 reduce-scatters a unit's
   gradient when its backward ends: the full-size gradient is copied into a reduce-scatter input buffer and dropped,
   the rank keeps its shard, and the buffer lives until the next unit's is made (one in flight,
@@ -266,10 +266,11 @@ def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, ra
 
 def autocast_caches_weights(layout: Layout) -> bool:
     """Whether the run's autocast keeps its cache of low-precision weight copies for the whole forward, as
-    ``dufu.engine.runtime.Runtime.autocast`` enters ``torch.autocast`` (its default ``cache_enabled=True``, in
-    every layout). Then every block's copy is alive when the forward ends, under ZeRO-3 a copy of every gathered
-    weight (2 B per parameter of the whole model, not of a shard). Measured: tests/plan/test_plan_fsdp_measured.py."""
-    return True
+    ``dufu.engine.runtime.Runtime.autocast`` enters ``torch.autocast``: with the cache, except under ZeRO-3. With
+    the cache every block's copy is alive when the forward ends; under ZeRO-3 that would be a copy of every
+    gathered weight (2 B per parameter of the whole model, not of a shard), so the runtime turns it off there.
+    Measured: tests/plan/test_plan_fsdp_measured.py."""
+    return layout.zero_stage < 3
 
 
 def trace_dtype_low(setup: Setup) -> bool:

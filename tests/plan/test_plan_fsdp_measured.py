@@ -6,8 +6,8 @@ The runs measure tensor memory exactly, not the process's resident size: torch's
 allocation and free of the CPU allocator during the second training step (``fsdp_peak_worker.py``), on top of
 the parameters' shards and the optimizer's state alive at its start. The plan must come within 4% of the largest
 rank's peak. The mechanisms this checks (dufu.plan.memory): a block's full-size gradient is gone once reduce-
-scattered, and its reduce-scatter input buffer lives until the next block's is made (fp32); autocast's cache keeps
-every block's bf16 weight copy until the forward ends (bf16, where the peak is); gradients accumulated over two
+scattered, and its reduce-scatter input buffer lives until the next block's is made (fp32); under ZeRO-3 autocast
+runs without its cache, so a block's bf16 weight copies go with its forward (bf16); gradients accumulated over two
 micro-batches stay full-size, as ``set_requires_gradient_sync(False)`` keeps them (accumulating). Two more runs
 check what the planner reads off other models: a LoRA run (gradients and moments of the factors only) and a
 transformers model run as-is (``HFAutoModel``).
@@ -43,8 +43,7 @@ RUNS = {  # name: (config, overrides)
     "hf_auto": ("hf_auto_gpt_neox_debug", ("train.global_batch_size=8", "model.config.num_hidden_layers=8")),
 }
 # What the runs allocate is the same from run to run but for one block's gradient (200 KB, 1.4% of the
-# accumulating run's peak), alive at one rank's peak and not at the other's; without autocast's cache held to
-# the end of the forward the bf16 prediction is 5% low.
+# accumulating run's peak), alive at one rank's peak and not at the other's.
 TOLERANCE = 0.04
 
 
@@ -85,6 +84,7 @@ def test_zero3_peak_of_a_deep_narrow_model_matches_fsdp2(name, measured, test_cp
         f"{name}: predicted {est.memory_per_gpu_bytes:,} B at {est.peak_where}, measured {peak:,} B "
         f"({est.memory_per_gpu_bytes / peak:.3f}x); {est.memory}")
     if name == "bf16":
-        # the peak is at the end of the forward, where autocast's cache holds a bf16 copy of every block's weights
+        # no bf16 copy of every block's weights at the end of the forward (autocast's cache, off under ZeRO-3): the
+        # peak is in the backward, as in fp32, and the temporaries are under half of what those copies would be
         block = 12 * 64 * 64 + 13 * 64  # a block's parameters: 4 matrices of 3h^2 / h^2 / 4h^2 / 4h^2, biases, norms
-        assert est.peak_where == "forward of last" and est.memory["temporaries"] > 2 * 24 * block
+        assert est.peak_where.startswith("backward of") and est.memory["temporaries"] < 24 * block

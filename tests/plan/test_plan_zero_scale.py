@@ -74,15 +74,8 @@ GPT3 = (12288, 96, 96)
 BLOCK = 12 * 12288**2 + 13 * 12288  # one GPT-3 block's parameters
 
 
-@pytest.fixture
-def autocast_without_cache_under_zero3(monkeypatch):
-    """The run as it would be with ``torch.autocast(..., cache_enabled=False)`` under ZeRO-3 (a change proposed for
-    dufu.engine.runtime): each weight copy freed once its block's forward ends."""
-    monkeypatch.setattr(memory, "autocast_caches_weights", lambda layout: layout.zero_stage < 3)
-
-
 @pytest.mark.parametrize("gpus, micro_batch", [(384, 4), (768, 2)])
-def test_175b_zero3_holds_one_block_and_the_next_at_a_time(gpus, micro_batch, autocast_without_cache_under_zero3):
+def test_175b_zero3_holds_one_block_and_the_next_at_a_time(gpus, micro_batch):
     est = estimate(gpt(*GPT3, *zero3(gpus, micro_batch, 1536)), gpus, "a100-80gb")
     assert est.dtype == "bf16" and est.layout["num_accumulation_steps"] == 1
     block = 4 * BLOCK  # fp32, as FSDP gathers it
@@ -99,9 +92,11 @@ def test_175b_zero3_holds_one_block_and_the_next_at_a_time(gpus, micro_batch, au
         assert est.fits  # within the 77 GB the catalog leaves for tensors (80 GB less 3 for the runtime)
 
 
-def test_175b_zero3_today_peaks_at_the_end_of_the_forward():
-    """dufu's autocast keeps its cache (memory.autocast_caches_weights): when the forward ends it holds a bf16 copy
-    of all 96 blocks' weights, gathered ones, 2 B per parameter of the whole model on every rank."""
+def test_175b_zero3_with_autocasts_cache_would_not_fit(monkeypatch):
+    """Why dufu's autocast runs without its cache under ZeRO-3 (dufu.engine.runtime.Runtime.autocast): with it, the
+    forward's end holds a bf16 copy of all 96 blocks' weights, gathered ones, 2 B per parameter of the whole model on
+    every rank, and no dp-only layout of GPT-3 fits in 80 GB."""
+    monkeypatch.setattr(memory, "autocast_caches_weights", lambda layout: True)
     est = estimate(gpt(*GPT3, *zero3(768, 2, 1536)), 768, "a100-80gb")
     # in the forward of the last block but one, with the last one prefetched: 95 blocks' copies made
     assert est.peak_where == "forward of block 94"
