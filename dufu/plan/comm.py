@@ -99,22 +99,24 @@ def ep_comm(trace: Trace, q: int, layout: Layout, hw: Hardware, share: float) ->
     return fwd * share, bwd * share
 
 
-def data_parallel_groups(info: ModelInfo, parts: list[int], layout: Layout, hw: Hardware) -> list[tuple]:
+def data_parallel_groups(info: ModelInfo, parts: list[int], layout: Layout, hw: Hardware,
+                         trainable: bool = False) -> list[tuple]:
     """What data parallelism reduces (and ZeRO gathers) for a rank holding ``parts``, by process group:
     [(fp32 bytes, group size, bandwidth, latency per step, FSDP units)]. Without expert parallelism one group of
     ``dp`` ranks holds every parameter; under it, the experts (``1 / ep`` of them per rank) form units of their
     own over the ``dp / ep`` ranks of ``expert_data`` (stride ``ep x tp``), the rest reduces over ``dp``. Under
     context parallelism the group is the data axis, dp x cp ranks (stride tp), which hold the same parameters
-    (:class:`dufu.parallel.parallel_dims.ParallelDims`; it refuses cp with ep)."""
+    (:class:`dufu.parallel.parallel_dims.ParallelDims`; it refuses cp with ep). ``trainable``: the bytes of what
+    trains only, what the gradients' reduction moves (ZeRO gathers every parameter, frozen ones too)."""
     tp, dp, pp, ep = (layout.tensor_parallel_size, layout.data_axis_size, layout.pipeline_parallel_size,
                       layout.expert_parallel_size)
     bw, lat = group_link(hw, dp, tp)
-    elems = sum(part_elems(info, p, tp, ep) for p in parts)
+    elems = sum(part_elems(info, p, tp, ep, trainable) for p in parts)
     last = len(info.parts) - 1
-    if info.tied and pp > 1 and last in parts and 0 not in parts:
+    if info.tied and pp > 1 and last in parts and 0 not in parts and (info.tied_trainable or not trainable):
         elems += info.tied_elems / tp
     units = sum(1 for p in parts if info.parts[p].kind == "block") + 1
-    experts = expert_elems(info, parts, ep)
+    experts = expert_elems(info, parts, ep, trainable)
     if ep == 1 or not experts:
         return [(4.0 * elems, dp, bw, lat, units)]
     expert_bw, expert_lat = group_link(hw, dp // ep, ep * tp)

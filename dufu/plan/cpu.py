@@ -5,7 +5,9 @@ A figure the probe cannot measure (no loopback networking for the two gloo proce
 ``/proc/meminfo``) is not made up silently: the record carries a conservative stand-in for it, listed under
 ``"assumed"`` with the reason, the Hardware's ``source`` says "assumed, not measured" (:func:`assumed_figures`
 reads it back for the plan's notes), and a record with an assumed figure is never written to the cache, so the
-next plan measures again."""
+next plan measures again. The same holds for a probe taken while other processes held it back from the cores (the
+run-queue wait of :class:`dufu.engine.reporting.flops.LoadMeter`): its figures serve this plan, labelled "measured
+under load", and the next plan measures again."""
 
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from dufu.cache import file_lock, resolve_cache_dir
-from dufu.engine.reporting.flops import cpu_name, device_peak_flops
+from dufu.engine.reporting.flops import LoadMeter, cpu_name, device_peak_flops
 from dufu.models.gpt import GPTModel
 from dufu.plan.device import GB, Hardware
 
@@ -67,7 +69,8 @@ def measured_cpu(remeasure: bool = False) -> Hardware:
             probe = None if remeasure else table.get(key)
             if probe is None:
                 probe = _best_of(probe_cpu(), table.get(key))
-                if not probe.get("assumed"):  # a stand-in is never cached as a measurement
+                # neither a stand-in nor a reading held back by other processes is cached as a measurement
+                if not probe.get("assumed") and not probe.get("under_load"):
                     table[key] = probe
                     try:
                         tmp = cache.with_suffix(f".tmp{os.getpid()}")
@@ -114,6 +117,8 @@ def _best_of(new: dict, old) -> dict:
 
 # The marker :func:`cpu_from_probe` writes into a Hardware's ``source`` before the figures it could not measure.
 ASSUMED = "assumed, not measured"
+# ... and after the figures of a probe that other processes held back from the cores.
+UNDER_LOAD = "measured under load"
 # Stand-ins for what the probe could not measure: conservative loopback figures for gloo (0: the planner uses
 # the all-reduce's bandwidth for all-gathers and no page-fault cost), and a small machine's memory.
 _GLOO_STAND_IN = {"gloo_latency_s": 2e-3, "gloo_bandwidth": 0.5e9, "page_fault_bandwidth": 0.0,
@@ -133,6 +138,8 @@ def cpu_from_probe(probe: dict) -> Hardware:
         assumed["memory_bytes"] = f"/proc/meminfo unreadable: {_MEMORY_STAND_IN / GB:.0f} GB taken"
     source = (f"measured on this machine ({probe['date']}): matmul, elementwise ops, attention, AdamW, op dispatch"
               + (", gloo all-reduce" if not any(k.startswith("gloo") for k in assumed) else ""))
+    if probe.get("under_load"):
+        source += f"; {UNDER_LOAD} ({probe['under_load']}): not cached"
     if assumed:
         by_reason: dict = {}
         for k, why in sorted(assumed.items()):
@@ -213,18 +220,21 @@ def probe_cpu() -> dict:
     dtypes = (("fp32", torch.float32), ("bf16", torch.bfloat16))
     try:
         torch.set_num_threads(1)
-        rates = {}
-        for name, dtype in dtypes:
-            rates[name] = {}
-            for m, n, k in _PROBE_SHAPES:
-                a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
-                rates[name][(m, n, k)] = 2.0 * m * n * k / _best_time(lambda: torch.mm(a, b))
-        peak1 = {name: max(r.values()) for name, r in rates.items()}
-        record["gemm"][1] = {**peak1, "fp16": peak1["bf16"]}
-        record["gemm_half_size"] = _fit_half_size(rates["fp32"], peak1["fp32"])
-        record.update(_op_rates(peak1["fp32"]))
-        record["op_overhead_s"] = _op_overhead()
-        record["calibration"] = {1: _calibration_step()}
+        with LoadMeter(1) as load:
+            rates = {}
+            for name, dtype in dtypes:
+                rates[name] = {}
+                for m, n, k in _PROBE_SHAPES:
+                    a, b = torch.randn(m, k).to(dtype), torch.randn(k, n).to(dtype)
+                    rates[name][(m, n, k)] = 2.0 * m * n * k / _best_time(lambda: torch.mm(a, b))
+            peak1 = {name: max(r.values()) for name, r in rates.items()}
+            record["gemm"][1] = {**peak1, "fp16": peak1["bf16"]}
+            record["gemm_half_size"] = _fit_half_size(rates["fp32"], peak1["fp32"])
+            record.update(_op_rates(peak1["fp32"]))
+            record["op_overhead_s"] = _op_overhead()
+            record["calibration"] = {1: _calibration_step()}
+        if load.under_load:  # the one-thread figures read slow: this plan uses them, no later one does
+            record["under_load"] = load.describe()
         torch.set_num_threads(threads_before)
         if threads_before > 1:
             s = _PROBE_SHAPES[0]

@@ -42,7 +42,8 @@ network bandwidth) for k members per node (NCCL drives every node's NICs in para
   with v chunks m + (pp - 1) / v (Narayanan et al. 2021, eq. 1 and 2).
 
 The optimizer step (fused AdamW, and the gradient-norm clip) streams the rank's parameters, gradients and moments
-through memory: 4 + 4 + 8 bytes read and 4 + 8 written per parameter it updates.
+through memory: 4 + 4 + 8 bytes read and 4 + 8 written per parameter it updates (in a delta run, the delta's only;
+data parallelism then reduces the delta's gradients, while ZeRO still gathers every parameter).
 
 On a CPU running several processes, each gets one thread (torchrun's default; ``OMP_NUM_THREADS`` of the planning
 process overrides it), and processes beyond the number of cores share them: every time is multiplied by processes /
@@ -302,12 +303,13 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
     dp_comm = dp_exposed = dp_copies = 0.0
     if dp > 1:
         groups = data_parallel_groups(info, all_parts[worst], layout, hw)
+        grads = data_parallel_groups(info, all_parts[worst], layout, hw, trainable=True)  # a delta run: its delta
         units = sum(g[4] for g in groups)
         zero = layout.zero_stage
         gloo = hw.synchronous
         reduce_kind = "all_reduce" if (not zero or gloo) else "reduce_scatter"
         reduce = sum(collective(reduce_kind, nbytes, n, bw, 0.0) + u * 2 * (n - 1) * lat
-                     for nbytes, n, bw, lat, u in groups)
+                     for nbytes, n, bw, lat, u in grads)
         gather_one = 0.0
         if zero:
             for nbytes, n, bw, lat, u in groups:
@@ -337,13 +339,14 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
             hidden = hw.overlap * (min(g_f * (1 - last_unit), fwd_window)
                                    + min((g_b + reduce) * (1 - last_unit), bwd_window))
             dp_exposed = max(dp_comm - hidden, 0.0)
-    # accumulating gradients over micro-batches adds each new one to the kept one (12 bytes per parameter)
+    # accumulating gradients over micro-batches adds each new one to the kept one (12 bytes per parameter that
+    # trains: a delta run's delta only)
     parts = all_parts[worst]
     ep = layout.expert_parallel_size
-    elems = sum(part_elems(info, p, tp, ep) for p in parts)
-    compute += (m - 1) * 12.0 * elems / pricer.rates["elementwise"] * share
-    # the optimizer step: fused AdamW and the gradient-norm clip stream the owned state through memory
-    mine = owned(1.0, elems, expert_elems(info, parts, ep), layout)
+    trained = sum(part_elems(info, p, tp, ep, trainable=True) for p in parts)
+    compute += (m - 1) * 12.0 * trained / pricer.rates["elementwise"] * share
+    # the optimizer step: fused AdamW and the gradient-norm clip stream the owned state of what trains
+    mine = owned(1.0, trained, expert_elems(info, parts, ep, trainable=True), layout)
     optimizer = (28.0 * mine / pricer.rates["optimizer"]
                  + (4.0 * mine / pricer.rates["elementwise"] if setup.clip_grad else 0.0)
                  + 40 * hw.op_overhead_s) * share

@@ -48,3 +48,50 @@ def test_a_failed_gloo_probe_is_reported_and_not_cached(monkeypatch, tmp_path):
     again = cpu.measured_cpu(remeasure=True)
     assert again.measured and again.intra_latency_s == PROBE["gloo_latency_s"] / 2
     assert "assumed" not in json.loads(cached.read_text())[cpu._cpu_key()]
+
+
+class _Loaded:
+    """A LoadMeter whose block waited for a core most of the time."""
+
+    def __init__(self, threads):
+        self.under_load = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return None
+
+    def describe(self):
+        return "its 1 thread waited for a core 60% of the time"
+
+
+def test_a_probe_under_load_is_labelled_and_not_cached(monkeypatch, tmp_path):
+    # the probe itself notices the load (stubbed meter; small stand-ins for the slow parts of the probe)
+    monkeypatch.setattr(cpu, "LoadMeter", _Loaded)
+    monkeypatch.setattr(cpu, "_PROBE_SHAPES", ((64, 64, 64), (32, 64, 64)))
+    monkeypatch.setattr(cpu, "_op_rates", lambda peak: {k: PROBE[k] for k in (
+        "elementwise_bandwidth", "transcendental_bandwidth", "attention_efficiency", "optimizer_bandwidth",
+        "stream_bandwidth")})
+    monkeypatch.setattr(cpu, "_op_overhead", lambda: PROBE["op_overhead_s"])
+    monkeypatch.setattr(cpu, "_calibration_step", lambda: 0.1)
+    monkeypatch.setattr(cpu, "gloo_figures", lambda: {k: MEASURED[k] for k in MEASURED if k.startswith("gloo")
+                                                      or k == "page_fault_bandwidth"})
+    record = cpu.probe_cpu()
+    assert record["under_load"] == "its 1 thread waited for a core 60% of the time"
+    hw = cpu.cpu_from_probe(record)
+    assert "measured under load (its 1 thread waited for a core 60% of the time): not cached" in hw.source
+
+    # measured_cpu uses it for this plan and measures again next time
+    monkeypatch.setenv("DUFU_CACHE_DIR", str(tmp_path))
+    probes = []
+    monkeypatch.setattr(cpu, "probe_cpu", lambda: probes.append(1) or dict(record))
+    cpu.measured_cpu()
+    cpu.measured_cpu()
+    assert len(probes) == 2
+    cached = tmp_path / "plan_hardware.json"
+    assert not cached.exists() or json.loads(cached.read_text()) == {}
+    # a quiet probe is cached
+    monkeypatch.setattr(cpu, "probe_cpu", lambda: {k: v for k, v in record.items() if k != "under_load"})
+    cpu.measured_cpu()
+    assert list(json.loads(cached.read_text())) == [cpu._cpu_key()]
