@@ -22,15 +22,24 @@ reduce-scatter per attention layer; expert parallelism's all-to-all per MoE laye
 of a micro-batch's boundary activations. An activation-checkpointed block's recomputation repeats its forward
 collectives; those repeats are not listed. Counts are per optimizer step (times the micro-batches where that applies).
 
+The rank then **executes** one micro-batch's forward and backward (:func:`executed_collectives`): its parameters
+materialised as fake tensors (shapes, no memory), the run's own data as inputs, the fake process group answering
+at once; every collective torch dispatches is recorded with its group and bytes, beside the derived list, which
+agrees with it (tests/plan/test_dry_run.py). Not executed, and said so in the report: pipeline layouts (the
+schedule's point-to-point traffic), context parallelism (its batch split) and mixture-of-experts models (routing
+sizes that depend on the data, which fake tensors do not have).
+
 Beside every memory category stands :mod:`dufu.plan`'s prediction for the same pipeline rank (what
 ``dufu plan --json`` reports, in bytes).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 from dataclasses import dataclass, field
+from typing import Optional
 
 import torch
 import torch.distributed as dist
@@ -63,11 +72,16 @@ class RankReport:
     planned: dict  # category -> bytes, the planner's for this pipeline rank
     sources: dict  # category -> "rehearsal" | "planner"
     collectives: list = field(default_factory=list)  # {"op", "group", "ranks", "bytes", "count", "what"}
+    # what one micro-batch's forward and backward really issued ({"op", "group", "ranks", "bytes", "count"}), or
+    # None with the reason in ``executed_note``
+    executed: Optional[list] = None
+    executed_note: str = ""
 
     def as_dict(self) -> dict:
         return {"rank": self.rank, "coordinate": self.coordinate, "memory": self.memory, "planned": self.planned,
                 "sources": self.sources, "collectives": self.collectives,
-                "collectives_source": "derived from the parallelized modules and one micro-batch's shapes"}
+                "collectives_source": "derived from the parallelized modules and one micro-batch's shapes",
+                "executed_collectives": self.executed, "executed_note": self.executed_note}
 
 
 def default_ranks(cfg, world_size: int) -> list[int]:
@@ -130,6 +144,7 @@ def _rehearse_rank(cfg, plan, world_size: int, rank: int, predicted: list[dict])
             {"pipeline": 0, "data": 0, "tensor": 0}
         memory = held_bytes(parts.modules)
         collectives = step_collectives(cfg, plan, parts.modules, world, coordinate)
+        executed, executed_note = executed_collectives(cfg, plan, parts.modules, world)
     finally:
         dist.destroy_process_group()
     planned = predicted[coordinate["pipeline"]]
@@ -138,7 +153,88 @@ def _rehearse_rank(cfg, plan, world_size: int, rank: int, predicted: list[dict])
         if k not in STATE_KEYS:
             memory[k] = v
             sources[k] = "planner"
-    return RankReport(rank, coordinate, memory, planned, sources, collectives)
+    return RankReport(rank, coordinate, memory, planned, sources, collectives, executed, executed_note)
+
+
+# torch's collective ops as dispatched (functional and in-place forms) -> the names dufu reports
+_OPS = {"all_reduce": "all_reduce", "allreduce_": "all_reduce", "all_gather_into_tensor": "all_gather",
+        "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+        "reduce_scatter_tensor": "reduce_scatter", "_reduce_scatter_base_": "reduce_scatter",
+        "reduce_scatter_tensor_coalesced_": "reduce_scatter", "all_to_all_single": "all_to_all",
+        "alltoall_base_": "all_to_all"}
+
+
+def executed_collectives(cfg, plan, modules: list[nn.Module], world) -> tuple[Optional[list], str]:
+    """Run one micro-batch's forward and backward through this rank's parallelized modules and record every
+    collective torch dispatches, with its group and bytes: ([{"op", "group", "ranks", "bytes", "count"}], note).
+
+    The parameters are materialised as fake tensors (``FakeTensorMode``: shapes and dtypes, no memory, no
+    arithmetic), the inputs are a micro-batch of the run's own data, the loss runs under ``loss_parallel`` with
+    tensor parallelism and autocast as configured, and the fake process group returns every collective at once:
+    what is recorded is what FSDP2, DTensor and dufu's layers issue, not a model of it. Gradients are reduced
+    after this micro-batch (as after a step's last). Pipeline schedules (point-to-point between stages) and
+    context parallelism (its batch split) are not run: ``(None, reason)``."""
+    if world is None:
+        return [], "one process: no collectives"
+    if plan.stage_ids is not None:
+        return None, "not executed under pipeline parallelism (the schedule's sends and receives): derived only"
+    if world.context_mesh is not None:
+        return None, "not executed under context parallelism: derived only"
+    from torch._subclasses.fake_tensor import FakeTensorMode  # shapes without memory: only for a rehearsal
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.tensor.parallel import loss_parallel
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dufu.data.sampler import collate
+    from dufu.engine.batch import to_model_inputs
+
+    axes = {}  # ranks of a group -> its axis name
+    for mesh in (world.mesh, world.expert_mesh):
+        for axis in (mesh.mesh_dim_names or ()) if mesh is not None else ():
+            axes.setdefault(tuple(dist.get_process_group_ranks(mesh.get_group(axis))), axis)
+    seen: dict = {}
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            op = _OPS.get(func.__name__.split(".")[0])
+            if op is not None:
+                flat = [a for a in args if isinstance(a, torch.Tensor)] + [
+                    t for a in args if isinstance(a, (list, tuple)) for t in a if isinstance(t, torch.Tensor)]
+                # the functional ops name their group by its last string argument (a reduce op may come first);
+                # the in-place ones pass the process group itself
+                group = next((a for a in reversed(args) if isinstance(a, str) or (
+                    isinstance(a, torch.ScriptObject) and "ProcessGroup" in str(a._type()))), None)
+                if isinstance(group, str):
+                    group = _resolve_process_group(group)
+                elif isinstance(group, torch.ScriptObject):
+                    group = dist.ProcessGroup.unbox(group)
+                ranks = tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+                nbytes = max((t.numel() * t.element_size() for t in flat), default=0)  # the full-size side
+                key = (op, axes.get(ranks, "other"), ranks, nbytes)
+                seen[key] = seen.get(key, 0) + 1
+            return func(*args, **(kwargs or {}))
+
+    t = cfg.train
+    amp = None if t.amp.enabled is False else {2: torch.bfloat16}.get(_compute_bytes(cfg))
+    if str(t.amp.dtype) in ("fp16", "float16") and amp is not None:
+        amp = torch.float16
+    inputs = to_model_inputs(collate(plan.train_ds, list(range(plan.batch_sizes[0]))))
+    from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            for module in modules:
+                module.to_empty(device="cpu")
+            with Record(), (loss_parallel() if plan.dims.tp_enabled else contextlib.nullcontext()):
+                with torch.autocast("cpu", dtype=amp, enabled=amp is not None):
+                    loss = modules[0](**inputs).loss
+                loss.backward()
+    except (DataDependentOutputException, DynamicOutputShapeException) as e:  # e.g. MoE routing's token counts
+        return None, (f"not executed: a size depends on the data ({e.func}; mixture-of-experts routing), which "
+                      "fake tensors do not have: derived only")
+    return ([dict(op=op, group=group, ranks=list(ranks), bytes=nbytes, count=count)
+             for (op, group, ranks, nbytes), count in seen.items()],
+            "executed: one micro-batch's forward and backward on fake tensors, gradients reduced after it")
 
 
 def _no_loss(output, target):  # the schedule needs a loss function; a rehearsal never runs one
@@ -187,7 +283,8 @@ def step_collectives(cfg, plan, modules: list[nn.Module], world, coordinate: dic
         groups = {"data": _group(mesh, "data")}
         if world.expert_mesh is not None:
             groups["expert_data"] = _group(world.expert_mesh, "expert_data")
-        out += _data_parallel(modules, groups, bool(t.zero_optimization.enabled), int(t.zero_optimization.stage))
+        out += _data_parallel(modules, groups, bool(t.zero_optimization.enabled), int(t.zero_optimization.stage),
+                              accum, plan.stage_ids is not None)
     if dims.tp_enabled:
         out += _tensor_parallel(modules, _group(mesh, "tensor"), tokens, dtype, bool(t.dist.sequence_parallel),
                                 accum)
@@ -226,18 +323,29 @@ def _boundary_width(model: nn.Module) -> int:
     return emb.embedding_dim
 
 
-def _data_parallel(modules, groups: dict, zero: bool, stage: int) -> list[dict]:
+def _data_parallel(modules, groups: dict, zero: bool, stage: int, accum: int, pipelined: bool) -> list[dict]:
     """FSDP2's per-unit all-gather and reduce-scatter (ZeRO), or replicate's gradient all-reduce, on the unit's
     data axis (``expert_data`` for experts under expert parallelism). Gradients are reduced once per step: while
-    they accumulate over micro-batches, dufu turns the synchronisation off."""
+    they accumulate over micro-batches, dufu turns the synchronisation off. A unit is gathered for every
+    micro-batch's forward (it is resharded after each backward), and again for its backward when resharded after
+    forward; under a pipeline schedule torch's stages keep it gathered from the first forward (one gather per
+    step) and gather a resharded unit again for each backward."""
     from torch.distributed.fsdp import FSDPModule  # FSDP2's unit type: only for layouts that use it
 
-    out = []
+    out, done = [], set()
     for module in modules:
         for name, unit in module.named_modules():
             if not isinstance(unit, FSDPModule):
                 continue
-            params = [p for p in unit.parameters() if not _inside_other_unit(unit, p, FSDPModule)]
+            # modules sharded together (``fully_shard([wte, wpe])``) are one unit: one gather, one reduction
+            group_id = id(getattr(unit._get_fsdp_state(), "_fsdp_param_group", None) or unit)
+            if group_id in done:
+                continue
+            done.add(group_id)
+            members = [m for _, m in module.named_modules() if isinstance(m, FSDPModule)
+                       and id(getattr(m._get_fsdp_state(), "_fsdp_param_group", None) or m) == group_id]
+            params = list({id(p): p for m in members for p in m.parameters()
+                           if not _inside_other_unit(m, p, FSDPModule)}.values())
             if not params:
                 continue
             names = getattr(getattr(params[0], "device_mesh", None), "mesh_dim_names", None) or ()
@@ -248,7 +356,13 @@ def _data_parallel(modules, groups: dict, zero: bool, stage: int) -> list[dict]:
             if not full:
                 continue
             label = name or "root"
-            gathers = 2 if (zero and stage >= 3 and name) else 1  # resharded after forward: gathered again
+            # resharded after forward (ZeRO-3's blocks; not the output end): gathered again for backward, except
+            # lookup tables (their backward needs the indices only, not the weights)
+            param_group = getattr(unit._get_fsdp_state(), "_fsdp_param_group", None)
+            resharded = param_group is not None and param_group.post_forward_mesh_info is not None
+            tables = all(isinstance(m, nn.Embedding) for m in members)
+            again = resharded and not tables
+            gathers = (1 if pipelined else accum) + (accum if again else 0)
             if zero:
                 out.append(dict(op="all_gather", **group, bytes=full, count=gathers, what=f"FSDP unit {label}"))
                 out.append(dict(op="reduce_scatter", **group, bytes=full, count=1,
@@ -307,7 +421,11 @@ def _tensor_parallel(modules, group: dict, tokens: int, dtype: int, sp: bool, ac
             placements = getattr(weight, "placements", None)
             if weight is None or placements is None or not isinstance(sub, (nn.Linear, nn.Embedding)):
                 continue
-            shard = next((p for p in placements[-1:] if isinstance(p, Shard)), None)
+            names = getattr(weight.device_mesh, "mesh_dim_names", None) or ()
+            if "tensor" not in names:  # sharded by FSDP2 over the data axis only: a replicated layer under TP
+                continue
+            shard = placements[names.index("tensor")]
+            shard = shard if isinstance(shard, Shard) else None
             if shard is None:
                 continue
             if isinstance(sub, nn.Embedding):
@@ -349,6 +467,10 @@ def to_text(reports: list[RankReport], world_size: int) -> str:
         for (op, group, nbytes), (count, what, n) in grouped.items():
             more = f" and {n - 1} more" if n > 1 else ""
             lines.append(f"    {op:<34} {group:<11} x{count:<5} {_bytes(nbytes):>12}  {what}{more}")
+        lines.append(f"  collectives issued ({r.executed_note}):" if r.executed is not None else
+                     f"  collectives issued: {r.executed_note}")
+        for c in sorted(r.executed or [], key=lambda c: (c["group"], c["op"], -c["bytes"])):
+            lines.append(f"    {c['op']:<34} {c['group']:<11} x{c['count']:<5} {_bytes(c['bytes']):>12}")
     return "\n".join(lines)
 
 

@@ -142,3 +142,51 @@ def test_context_parallel_gathers_keys_and_values(tmp_path):
     gathers = [c for c in report.collectives if c["op"] == "all_gather" and c["group"] == "context"]
     assert gathers and all(c["ranks"] == [0, 2] for c in gathers)  # cp between data and tensor (tp inner)
     assert len(gathers) == cfg.model.num_layers
+
+
+def _by_op(collectives, per: int = 1) -> dict:
+    """{(op, group): (count, bytes)} summed, ``per``: divide the counts (a step's micro-batches)."""
+    out: dict = {}
+    for c in collectives:
+        count, nbytes = out.get((c["op"], c["group"]), (0, 0))
+        out[(c["op"], c["group"])] = (count + c["count"], nbytes + c["count"] * c["bytes"])
+    return {k: (n / per, b / per) for k, (n, b) in out.items()}
+
+
+GPT_STEP = ("train.global_batch_size=8", "train.train_micro_batch_size=2")
+
+
+@pytest.mark.parametrize("layout, nproc, accum", [
+    (("train.dist.data_parallel_size=1", "train.dist.tensor_parallel_size=2"), 2, 4),
+    (("train.dist.data_parallel_size=2",), 2, 2),
+    (("train.dist.data_parallel_size=2", "train.zero_optimization.enabled=True", "train.zero_optimization.stage=2"),
+     2, 2),
+    (("train.dist.data_parallel_size=2", "train.zero_optimization.enabled=True", "train.zero_optimization.stage=3"),
+     2, 2),
+    (("train.dist.data_parallel_size=2", "train.dist.tensor_parallel_size=2", "train.zero_optimization.enabled=True",
+      "train.zero_optimization.stage=3"), 4, 2),
+], ids=["tp2", "dp2", "dp2-zero2", "dp2-zero3", "dp2xtp2-zero3"])
+def test_the_executed_micro_batch_issues_the_derived_collectives(layout, nproc, accum, tmp_path):
+    """One micro-batch run through the rank's parallelized modules (fake tensors, fake process group) issues, op by op
+    and group by group, the collectives the derived list gives for it: tensor parallelism's per micro-batch, FSDP2's
+    gathers per micro-batch (resharded units again for backward, lookup tables not), and the gradients' reduction
+    once (the step's last micro-batch)."""
+    cfg = load("gpt_debug", f"train.output_dir={tmp_path / 'run'}", *GPT_STEP, *layout)
+    [report] = rehearse(cfg, nproc, [0])
+    assert report.executed_note.startswith("executed: one micro-batch") and report.executed
+    executed = _by_op(report.executed)
+    derived = {k: v for k, v in _by_op([c for c in report.collectives if c["op"] != "all_gather"
+                                        and c["group"] != "data"], per=accum).items()}
+    # per micro-batch: tensor parallelism's collectives and FSDP2's gathers; the reduction once per step
+    derived.update(_by_op([c for c in report.collectives if c["op"] == "all_gather" and c["group"] == "data"],
+                          per=accum))
+    derived.update(_by_op([c for c in report.collectives if c["op"] != "all_gather" and c["group"] == "data"]))
+    assert executed == derived
+
+
+def test_a_pipeline_layout_is_not_executed_and_says_so(tmp_path):
+    cfg = load("gpt_debug", f"train.output_dir={tmp_path / 'run'}", *GPT_STEP, "train.dist.data_parallel_size=1",
+               "train.dist.pipeline_parallel_size=2")
+    [report] = rehearse(cfg, 2, [0])
+    assert report.executed is None and "pipeline" in report.executed_note and report.collectives
+    assert report.as_dict()["executed_collectives"] is None
