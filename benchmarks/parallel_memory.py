@@ -37,9 +37,9 @@ def model_overrides(model: dict, seq: int) -> list[str]:
 
 
 # ----------------------------------------------------------------------------- memory
-def parameter_counts(model: dict) -> dict:
-    """Exact parameter counts of the memory model, built on the meta device: total, root unit (everything
-    outside the blocks), one block, the FSDP end units of ``dufu.parallel.data_parallel`` (embedding tables,
+def parameter_counts(model: dict, recipe: str = "gpt_debug") -> dict:
+    """Exact parameter counts of ``recipe``'s model with ``model``'s sizes, built on the meta device: total, root
+    unit (everything outside the blocks), one block, the FSDP end units of ``dufu.parallel.data_parallel`` (embedding tables,
     final norm + head, a tied head counted in both) and the tied copy a rank holds under ZeRO, and the largest
     module's own parameters and buffers (what the meta-device initialisation fills in full at once:
     ``dufu.parallel.materialize.ModuleInitializer``)."""
@@ -49,7 +49,7 @@ def parameter_counts(model: dict) -> dict:
     from dufu.parallel import transformer_blocks
     from dufu.parallel.data_parallel import end_units
 
-    cfg = LazyConfig.load(str(resolve_config_path("gpt_debug")))
+    cfg = LazyConfig.load(str(resolve_config_path(recipe)))
     cfg = LazyConfig.apply_overrides(cfg, [f"model.{k}={v}" for k, v in model.items()])
     with torch.device("meta"):
         m = instantiate(cfg.model)
@@ -126,11 +126,12 @@ def derive_memory_figures(mem: dict) -> None:
 
 
 def worker_job(label: str, nproc: int, global_batch: int, model: dict, overrides: list[str], allocator: str,
-               work: Path, cache: Path, timeout: float, steps: int = MEMORY_STEPS) -> tuple[launch.Run, list[dict] | None]:
-    """One memory-recording training run of ``gpt_debug`` with ``model``'s sizes (:func:`harness.memory.memory_job`),
+               work: Path, cache: Path, timeout: float, steps: int = MEMORY_STEPS,
+               recipe: str = "gpt_debug") -> tuple[launch.Run, list[dict] | None]:
+    """One memory-recording training run of ``recipe`` with ``model``'s sizes (:func:`harness.memory.memory_job`),
     micro-batch 1, ``steps`` steps; every rank's record. Its ``metrics.jsonl`` stays in ``<work>/memory/<label>/run``."""
     out = work / "memory" / label
-    argv = ["gpt_debug", *COMMON, f"train.train_iter={steps}", "train.train_micro_batch_size=1",
+    argv = [recipe, *COMMON, f"train.train_iter={steps}", "train.train_micro_batch_size=1",
             f"train.global_batch_size={global_batch}",
             "train.peak_tflops=1.0",  # skip the peak-FLOP/s matmul measurement (3 x 16 MiB of buffers)
             *model_overrides(model, MEMORY_SEQ), *overrides]
@@ -331,11 +332,12 @@ def init_runs(layouts: list, model: dict, work: Path, cache: Path, timeout: floa
             "micro_batch_size": 1, "allocator": "mmap64k", "rows": rows}
 
 
-def prepare_data_cache() -> None:
-    """Tokenize the corpus into DUFU_CACHE_DIR once, here, so no measured run pays for (or holds memory of) it."""
+def prepare_data_cache(recipe: str = "gpt_debug") -> None:
+    """Tokenize ``recipe``'s corpus into DUFU_CACHE_DIR once, here, so no measured run pays for (or holds memory of)
+    it."""
     from dufu.config import LazyConfig, instantiate, resolve_config_path
 
-    cfg = LazyConfig.load(str(resolve_config_path("gpt_debug")))
+    cfg = LazyConfig.load(str(resolve_config_path(recipe)))
     tokenizer = instantiate(cfg.tokenization.tokenizer)
     node = cfg.dataloader.train
     node.tokenizer = tokenizer

@@ -128,9 +128,33 @@ def observations(results: dict) -> list[str]:
     return obs
 
 
+def model_title(m: dict) -> str:
+    """"gpt-16x256 (held out)", "gpt-8x512 (calibration model)"; "" for a measurement that names no model."""
+    if not m.get("name"):
+        return ""
+    return f"{m['name']} ({'held out' if m.get('held_out') else 'calibration model'})"
+
+
+def sample_text(m: dict) -> str:
+    """Whether the measured model was used to set the CPU cost model's constants ("" when the results do not
+    say: they predate held-out models)."""
+    if "held_out" not in m:
+        return ""
+    if m["held_out"]:
+        return (f"**Held out**: {m['about']}. This model was **not** used to set any constant of the CPU cost model "
+                "(`dufu/plan/cpu.py`: `_DTENSOR_OP_FACTOR`, the calibration step's model, a 2-layer GPT 512 wide); "
+                "those were set on the calibration model, `gpt_debug` 8 layers deep and 512 wide "
+                "(`python benchmarks/plan_accuracy.py`), so this table tests the model out of sample.")
+    return (f"**Calibration model**: {m['about']}. The CPU cost model's constants were set on it, so this table "
+            "is in sample; `--model held-out` measures models that were not used to set them.")
+
+
 def report(results: dict) -> str:
     info, m = results["machine"], results["measured"]
-    lines = [f"# Planner accuracy - {results['date']}", ""]
+    title = model_title(m)
+    lines = [f"# Planner accuracy - {title + ' - ' if title else ''}{results['date']}", ""]
+    if sample_text(m):
+        lines += [sample_text(m), ""]
     # The load average counts the measured runs' own processes (up to 4 here), so it cannot say whether other
     # work ran; the CPU time of everything else on the machine can.
     load = (f"Load average {results['load_avg_start']:.2f} at the start, {results['load_avg_end']:.2f} at the end "
@@ -235,9 +259,69 @@ def plot(results: dict, path: Path) -> bool:
             ax.set_xlabel(f"measured {label}")
             ax.set_title("no predictions", fontsize=9)
     info = results["machine"]
-    fig.suptitle(f"dufu plan vs measured, {results['measured']['parameters'] / 1e6:.1f}M-parameter GPT, "
+    m = results["measured"]
+    fig.suptitle(f"dufu plan vs measured, {model_title(m) or 'GPT'}, {m['parameters'] / 1e6:.1f}M parameters, "
                  f"{info['logical_cpus']} CPU cores, {results['date']}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return True
+
+
+# ----------------------------------------------------------------------------- several models
+def model_summary(results: dict, file: str) -> dict:
+    """One model's line of :func:`models_report`: its verdict counts, ratio ranges and furthest-off layouts."""
+    m, comp = results["measured"], results["comparison"]
+    out = {"name": m.get("name"), "held_out": m.get("held_out"), "about": m.get("about"), "config": m["config"],
+           "model": m["model"], "parameters": m["parameters"], "layouts": len(comp), "file": file,
+           "date": results["date"], "other_cpu_s": results.get("other_cpu_s"), "summary": results["summary"]}
+    for what in ("memory", "time"):
+        judged = [c for c in comp if c[f"{what}_ratio"] is not None]
+        ratios = [c[f"{what}_ratio"] for c in judged]
+        worst = max(judged, key=lambda c: abs(c[f"{what}_ratio"] - 1)) if judged else None
+        out[what] = {"min": min(ratios, default=None), "max": max(ratios, default=None),
+                     "median": statistics.median(ratios) if ratios else None,
+                     "furthest": worst and {"layout": worst["layout"], "ratio": worst[f"{what}_ratio"]}}
+    return out
+
+
+def models_report(entries: list[tuple[dict, str]]) -> tuple[dict, str]:
+    """(JSON, Markdown) of several models' results, one line each; ``entries``: (results, file stem). Titled out
+    of sample when a held-out model is among them."""
+    lines_ = [model_summary(r, name) for r, name in entries]
+    held_out = any(x["held_out"] for x in lines_)
+    first = entries[0][0]
+    info = first["machine"]
+    date = max(x["date"] for x in lines_)
+    title = "Planner accuracy out of sample" if held_out else "Planner accuracy by model"
+    text = [f"# {title} - {date}", "",
+            f"Machine: {info['cpu']}, {info['logical_cpus']} cores; torch {info['torch']}; dufu "
+            f"{info.get('dufu_commit')}. Each model's file holds its table, method and machine; the held-out models "
+            "were **not** used to set the CPU cost model's constants (`dufu/plan/cpu.py`), which were set on the "
+            "calibration model (gpt-8x512). Tolerance: 10% for peak memory per rank, 25% for step time.", ""]
+
+    def rng(d: dict) -> str:
+        if d["median"] is None:
+            return "-"
+        far = d["furthest"]
+        return f"{d['min']:.2f} to {d['max']:.2f} (median {d['median']:.2f}); {far['layout']} {far['ratio']:.2f}"
+
+    rows = [[f"{x['name']}{'' if x['held_out'] else ' (calibration model: in sample)'}", f"`{x['config']}`",
+             f"{x['parameters'] / 1e6:.1f}M",
+             f"{x['summary']['memory']['within']} of {x['summary']['memory']['compared']}", rng(x["memory"]),
+             f"{x['summary']['time']['within']} of {x['summary']['time']['compared']}", rng(x["time"]),
+             fmt(x["other_cpu_s"]), f"`{x['file']}.md`"] for x in lines_]
+    text += table(["model", "recipe", "parameters", "memory within 10%", "memory predicted / measured; furthest off",
+                   "time within 25%", "time predicted / measured; furthest off", "other processes' CPU s",
+                   "results"], rows)
+    text += ["", *[f"* {x['name']}: {x['about']}." for x in lines_], ""]
+    def total(what: str, key: str) -> int:
+        return sum(x["summary"][what][key] for x in lines_)
+
+    mem, tim = (total("memory", "within"), total("memory", "compared")), (total("time", "within"),
+                                                                           total("time", "compared"))
+    text += [f"**All {len(lines_)} models: peak memory per rank {mem[0]} of {mem[1]} within 10%; step time "
+             f"{tim[0]} of {tim[1]} within 25%.**"]
+    data = {"date": date, "machine": info, "held_out": held_out, "models": lines_,
+            "memory_within": mem[0], "memory_compared": mem[1], "time_within": tim[0], "time_compared": tim[1]}
+    return data, "\n".join(text)
