@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # for `import dufu_testing` from any test directory
 
 import launch  # noqa: E402
-from dufu_testing import DEBUG_RUN_OVERRIDES, Run, train  # noqa: E402
+from dufu_testing import DEBUG_RUN_OVERRIDES, Run, environment, train  # noqa: E402
 from parity import PARITY_ARGS, SharedRuns, collect  # noqa: E402
 
 # The tiny models of these tests gain nothing from a second thread, and when other processes share
@@ -97,16 +97,8 @@ def reference_run(tmp_path_factory, dufu_cache_dir):
         key = (str(config), *overrides, tuple(env))
         if key not in cache:
             out = tmp_path_factory.mktemp(f"reference_{Path(str(config)).stem}") / "run"
-            saved = {k: os.environ.get(k) for k, _ in env}
-            os.environ.update(dict(env))
-            try:
+            with environment(env):
                 train(out, (*PARITY_ARGS, *overrides), recipe=str(config), fast=False)
-            finally:
-                for k, v in saved.items():
-                    if v is None:
-                        os.environ.pop(k, None)
-                    else:
-                        os.environ[k] = v
             cache[key] = collect(out)
         return cache[key]
 

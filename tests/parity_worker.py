@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 import dufu.parallel.launch as dufu_launch
 from dufu.cli import main as dufu
+from dufu_testing import environment
 from launch import in_turn
 
 
@@ -62,16 +63,8 @@ def main(plan_file: str, job: str) -> None:
         if run["resume_of"]:
             copy_of(run["resume_of"], Path(run["output_dir"]))
             resume = ["--resume"]
-        saved = {k: os.environ.get(k) for k in run["env"]}
-        os.environ.update(run["env"])
-        try:
+        with environment(run["env"]):
             code = dufu(["train", run["config"], *resume, *run["args"], f"train.output_dir={run['output_dir']}"])
-        finally:
-            for k, v in saved.items():
-                if v is None:
-                    os.environ.pop(k, None)
-                else:
-                    os.environ[k] = v
         assert code == 0, f"dufu train exited with {code}"
 
     in_turn(job, list(runs), train)

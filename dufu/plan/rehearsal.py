@@ -45,6 +45,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from dufu.engine.precision import DTYPES
 from dufu.engine.preflight import plan_run
 from dufu.engine.schema import auto_layout_keys
 from dufu.errors import ConfigError, LayoutError
@@ -59,7 +60,6 @@ from dufu.plan.search import check_layout, layout_from_config, model_info
 from dufu.plan.trace import get_trace
 
 STATE_KEYS = ("parameters", "gradients", "optimizer")
-_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 @dataclass
@@ -214,10 +214,7 @@ def executed_collectives(cfg, plan, modules: list[nn.Module], world) -> tuple[Op
                 seen[key] = seen.get(key, 0) + 1
             return func(*args, **(kwargs or {}))
 
-    t = cfg.train
-    amp = None if t.amp.enabled is False else {2: torch.bfloat16}.get(_compute_bytes(cfg))
-    if str(t.amp.dtype) in ("fp16", "float16") and amp is not None:
-        amp = torch.float16
+    amp = _autocast_dtype(cfg)
     inputs = to_model_inputs(collate(plan.train_ds, list(range(plan.batch_sizes[0]))))
     from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
@@ -305,11 +302,20 @@ def step_collectives(cfg, plan, modules: list[nn.Module], world, coordinate: dic
     return out
 
 
-def _compute_bytes(cfg) -> int:
+def _autocast_dtype(cfg) -> Optional[torch.dtype]:
+    """The dtype the rehearsed step computes in: None with train.amp off, else the one it names
+    (``enabled=bf16`` / ``fp16``, else ``amp.dtype``; ``auto`` is taken as on)."""
     amp = cfg.train.amp
     if amp.enabled is False:
-        return 4
-    return _DTYPE_BYTES.get({"bfloat16": "bf16", "float16": "fp16"}.get(str(amp.dtype), str(amp.dtype)), 2)
+        return None
+    name = amp.enabled if amp.enabled in DTYPES else {"bfloat16": "bf16", "float16": "fp16"}.get(str(amp.dtype),
+                                                                                                  str(amp.dtype))
+    return DTYPES.get(name, torch.bfloat16)
+
+
+def _compute_bytes(cfg) -> int:
+    dtype = _autocast_dtype(cfg)
+    return 4 if dtype is None else dtype.itemsize
 
 
 def _boundary_width(model: nn.Module) -> int:
