@@ -1,25 +1,16 @@
 """`python -m dufu ...`: the same as the `dufu` command (dufu.cli.main), and how torchrun starts dufu's workers.
 
 A worker's every exit, error or not, goes through :func:`dufu.parallel.launch.exit_process`, which never lets the
-interpreter tear down a live gloo process group (that can abort a rank after its work is done).
+interpreter tear down a live gloo process group (that can abort a rank after its work is done). (The workers of
+``dufu train --nproc N`` are forked instead: dufu.cli.workers.)
 """
 
 import sys
-import traceback
 
-from dufu.cli import main
+from dufu import cli
 
-try:
-    code = main()
-except SystemExit as stop:
-    code = stop.code
-except KeyboardInterrupt:
-    code = 130  # the shell's code for an interrupted command
-except BaseException:  # noqa: BLE001 - printed as Python would, then the process ends without a teardown
-    traceback.print_exc()
-    code = 1
+code = cli.run()
 if "torch.distributed" in sys.modules:  # only a process that may have a process group pays for the import
-    from dufu import cli
     from dufu.parallel.launch import exit_process
 
     # A rank that stops because a peer failed leaves a moment later: torchrun's agent (polling every 0.1 s) names

@@ -5,9 +5,10 @@ Every process started through :func:`run` or :func:`start`
 
 * runs with one OpenMP thread and dufu importable (``PYTHONPATH``), without a parent torchrun's or a test's
   ``RANK``/``WORLD_SIZE``/``MASTER_*``/``DUFU_FAULT`` (a fault is passed explicitly: ``fault=``);
-* runs in a session of its own; when it ends or times out, the whole session is killed, and so are workers that
-  torchrun started in sessions of their own (found by the run's unique ``output_dir`` on their command line);
-  nothing outlives the test session (:func:`stop_all`);
+* runs in a session of its own; when it ends or times out, the whole session is killed, and so are its
+  descendants (dufu's workers, forked in sessions of their own) and workers that torchrun started in sessions
+  of their own (found by the run's unique ``output_dir`` on their command line); nothing outlives the test
+  session (:func:`stop_all`);
 * on a timeout, returns what it printed so far plus a line saying it was killed, instead of raising;
 * is retried once when a process died by SIGSEGV/SIGABRT without an injected fault. dufu's workers never tear a
   gloo process group down in the interpreter's finalization (``dufu.parallel.launch.exit_process``), the known
@@ -265,13 +266,40 @@ _LIVE_LOCK = threading.Lock()
 
 
 def _end(proc: subprocess.Popen, output_dir: Optional[str]) -> None:
-    """Nothing of a run outlives it: its session, and torchrun workers in sessions of their own."""
+    """Nothing of a run outlives it: its session, its descendants (dufu's forked workers run in sessions of their
+    own), and torchrun workers in sessions of their own, orphaned or not."""
+    descendants = _descendants(proc.pid)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    for pid in descendants:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     if output_dir is not None:
         _kill_processes_with_argument(f"train.output_dir={output_dir}")
+
+
+def _descendants(pid: int) -> list[int]:
+    """The pids of ``pid``'s children, their children, and so on (read from /proc)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        parent = int(stat[stat.rindex(")") + 2:].split()[1])  # after "pid (comm) state"
+        children.setdefault(parent, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            found.append(child)
+            todo.append(child)
+    return found
 
 
 def stop_all() -> None:

@@ -12,6 +12,7 @@ import os
 import platform
 import sys
 import textwrap
+import traceback
 
 import dufu
 from dufu.errors import DistributedFailure, DufuError
@@ -122,6 +123,25 @@ COMMANDS = {"train": "dufu.cli.train", "eval": "dufu.cli.eval", "configs": "dufu
 # Set when a command ended because a collective with the other ranks failed (another rank died or hung): this
 # rank's exit is a consequence, and dufu/__main__ lets the failed rank's exit be seen first.
 peer_failed = False
+
+
+def run(argv: list[str] | None = None) -> int:
+    """:func:`main` as ``python -m dufu`` runs it: the exit code of however it ends (``SystemExit``'s code, its
+    message printed; 130 for Ctrl-C; 1 for an uncaught exception, its traceback printed as Python would)."""
+    try:
+        code = main(argv)
+    except SystemExit as stop:
+        code = stop.code
+    except KeyboardInterrupt:
+        code = 130  # the shell's code for an interrupted command
+    except BaseException:  # noqa: BLE001 - printed as Python would; the caller decides how the process ends
+        traceback.print_exc()
+        code = 1
+    if not isinstance(code, int):
+        if code is not None:
+            print(code, file=sys.stderr)
+        code = 0 if code is None else 1
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from dufu.cli import require_package
 from dufu.cli.config_args import refuse_unknown_flags
+from dufu.cli.workers import start_worker_server
 from dufu.config import LazyCall, LazyConfig, resolve_config_path
 from dufu.errors import ConfigError, DataError, DufuError
 
@@ -258,6 +259,8 @@ def main(argv: list[str]) -> int:
     overrides = list(args.overrides) + extra
     refuse_unknown_flags(overrides, "eval")
     if args.nproc is not None and "LOCAL_RANK" not in os.environ:
+        if args.nproc >= 1:  # the workers' imports start now, beside this process's checks (dufu.cli.workers)
+            start_worker_server(args.nproc)
         from dufu.cli.torchrun import run_torchrun  # imports torch: not for --help
         from dufu.engine.delta_run import is_delta_checkpoint  # imports torch: not for --help
         from dufu.engine.preflight import preflight  # imports torch: not for --help

@@ -10,6 +10,7 @@ import tempfile
 from pathlib import Path
 
 from dufu.cli.config_args import load_train_config, parse_config_args
+from dufu.cli.workers import start_worker_server
 from dufu.config import LazyConfig
 from dufu.errors import DufuError
 
@@ -61,6 +62,9 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.train_iter=100 optim.lr=1e-3")
     args, config, overrides = parse_config_args(parser, argv, "train")
     check_resume_options(args)
+    if args.nproc is not None and "LOCAL_RANK" not in os.environ and not (args.dry_run or args.show_config):
+        # the workers' imports start now, beside this process's own and its checks (dufu.cli.workers)
+        start_worker_server(args.nproc)
     cfg = load_train_config(config, overrides)
     if args.dry_run or args.world_size is not None or args.rank or args.json:
         from dufu.plan.rehearsal import dry_run  # imports torch: not for --help

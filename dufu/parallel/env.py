@@ -17,6 +17,12 @@ def world_info() -> tuple[int, int, int]:
     )
 
 
+def agent_pid() -> int:
+    """The pid of this worker's torchrun agent: its parent, or, for a worker forked from dufu's worker server (whose
+    parent is that server), the launcher named in ``DUFU_AGENT_PID`` (set by dufu.cli.workers)."""
+    return int(os.environ.get("DUFU_AGENT_PID") or os.getppid())
+
+
 def pick_device(local_rank: int = 0) -> torch.device:
     """CUDA device ``local_rank`` when GPUs are present, the CPU otherwise."""
     if torch.cuda.is_available():

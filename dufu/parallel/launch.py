@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import multiprocessing
 import os
 import sys
 import time
@@ -51,6 +52,10 @@ def finish_distributed(exit_code: int = 0) -> None:
     dist.barrier()
     sys.stdout.flush()
     sys.stderr.flush()
+    if multiprocessing.parent_process() is not None:
+        # a forked worker (dufu.cli.workers): it returns to torchrun's worker wrapper, which reports it done, and
+        # the start method ends the process with os._exit, without finalizing the interpreter either
+        return
     os._exit(exit_code)
 
 

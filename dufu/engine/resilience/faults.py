@@ -31,6 +31,7 @@ import signal
 import time
 
 from dufu.engine.hooks import Hook
+from dufu.parallel.env import agent_pid
 
 TRAINING_FAULTS = ("exit", "kill", "kill_node", "hang", "nan", "term", "usr1", "slow")
 
@@ -58,7 +59,7 @@ def at_step_start(step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     if should_fire("kill_node", step):
         if "TORCHELASTIC_RUN_ID" in os.environ:
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(agent_pid(), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
     rank = os.environ.get("RANK", "0")
     if any(k == "slow" and step >= s and r in ("*", rank) for k, r, s in _faults()):
@@ -68,13 +69,13 @@ def at_step_start(step: int) -> None:
             time.sleep(3600)
     for kind, sig in (("term", signal.SIGTERM), ("usr1", signal.SIGUSR1)):
         if should_fire(kind, step):
-            os.kill(os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), sig)
+            os.kill(agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else os.getpid(), sig)
 
 
 def in_save(step: int) -> None:
     if should_fire("kill_in_save", step):
         # kill -9 the whole job: this process and its torchrun agent, if any
-        parent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        parent = agent_pid() if "TORCHELASTIC_RUN_ID" in os.environ else None
         if parent:
             os.kill(parent, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
