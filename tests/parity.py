@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -232,13 +233,15 @@ class SharedRuns:
     the imports and the first run's warm-up once instead of once per run: on 2 CPU cores those cost ~10 s per
     launch, while a parity run's own work is under a second.
 
-    ``result(name)`` waits for a run's :class:`RunResult` (the first call launches every ``wanted`` run of the
-    same world size not run yet). When a run fails its workers stop; its test fails with the job's output and
-    the failing rank's traceback, and the runs after it are launched again without it, so each run still
-    passes or fails on its own.
+    The ``wanted`` runs start in the background as soon as the object is made (one job per world size, one job
+    at a time), so that they train while the module's tests train their single-process references in this
+    process (which uses one thread: the other core would wait). ``result(name)`` waits for a run's
+    :class:`RunResult` (a run not wanted is launched then, with the runs of its world size not run yet). When a
+    run fails its workers stop; its test fails with the job's output and the failing rank's traceback, and the
+    runs after it are launched again without it, so each run still passes or fails on its own.
     """
 
-    def __init__(self, root, specs: dict, wanted=None, timeout: float = 600):
+    def __init__(self, root, specs: dict, wanted=None, timeout: float = 600, background: bool = True):
         self.root, self.specs, self.timeout = Path(root), dict(specs), timeout
         for n, spec in self.specs.items():
             source = spec.resume_of
@@ -247,15 +250,33 @@ class SharedRuns:
                 f"{n} resumes {source}: declare a run of the same world size before the runs resuming it"
         self.wanted = [n for n in self.specs if wanted is None or n in set(wanted)]
         self.outcomes: dict[str, tuple] = {}  # name -> (output_dir, None) or (None, failure text)
+        self._lock = threading.Lock()
+        self._background: Optional[threading.Thread] = None
+        if background and self.wanted:
+            self._background = threading.Thread(target=self._launch_wanted, name="shared-runs", daemon=True)
+            self._background.start()
 
-    def result(self, name: str, weights: bool = True) -> RunResult:
-        if name not in self.outcomes:
+    def _launch_wanted(self) -> None:
+        for nproc in dict.fromkeys(self.specs[n].nproc for n in self.wanted):
+            self._launch_for(next(n for n in self.wanted if self.specs[n].nproc == nproc))
+
+    def _launch_for(self, name: str) -> None:
+        """Launch ``name`` with every wanted run of its world size not run yet (and the runs they resume)."""
+        with self._lock:
+            if name in self.outcomes:
+                return
             needed = {name, *self.wanted}
             for n in reversed(self.specs):  # and the runs they resume from (declared before them)
                 if n in needed and self.specs[n].resume_of:
                     needed.add(self.specs[n].resume_of)
             nproc = self.specs[name].nproc
             self._launch([n for n in self.specs if n in needed and n not in self.outcomes and self.specs[n].nproc == nproc])
+
+    def result(self, name: str, weights: bool = True) -> RunResult:
+        if self._background is not None:
+            self._background.join()  # its jobs' failures are the runs' outcomes; anything else, a launch below
+        if name not in self.outcomes:
+            self._launch_for(name)
         output_dir, failure = self.outcomes[name]
         assert failure is None, failure
         return collect(output_dir, weights=weights)
@@ -275,7 +296,7 @@ class SharedRuns:
             plan_file.write_text(json.dumps(plan, indent=1))
             # train.output_dir=JOB on the workers' command line lets launch.py find and end them.
             args = (plan_file, f"train.output_dir={job}")
-            return launch.torchrun_command(WORKER, nproc, *args) if nproc > 1 else [sys.executable, WORKER, *args]
+            return [sys.executable, WORKER, *(("--nproc", str(nproc)) if nproc > 1 else ()), *map(str, args)]
 
         self.root.mkdir(parents=True, exist_ok=True)
         outcomes = launch.run_in_turn(names, command, self.root, timeout=self.timeout,

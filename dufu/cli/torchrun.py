@@ -54,12 +54,19 @@ def run_torchrun(cmd: list[str]) -> int:
 
 @record
 def _run(torchrun_args: list[str]) -> None:
-    """``torch.distributed.run.run`` (what ``torchrun ARGS`` runs) with the workers forked: its argument handling
-    and launch config, and the entrypoint :func:`dufu.cli.workers.dufu` in place of the command line
-    (torchrun takes a function only from Python; its command line takes a program)."""
+    """``torch.distributed.run.run`` (what ``torchrun ARGS`` runs) with the workers forked: ``-m dufu COMMAND ...``
+    becomes the entrypoint :func:`dufu.cli.workers.dufu` (torchrun takes a function only from Python; its command
+    line takes a program)."""
     args = parse_args(torchrun_args)
     if not args.module or args.training_script != "dufu":
         raise DufuError(f"not a torchrun command line of dufu: -m {args.training_script} ...")
+    launch_forked(args, workers.dufu, list(args.training_script_args), *workers.launch_state())
+
+
+def launch_forked(args, entrypoint, *entry_args) -> None:
+    """torchrun's launch of the parsed torchrun arguments ``args`` (``torch.distributed.run.parse_args``), each
+    worker running ``entrypoint(*entry_args)`` forked from the worker server: torchrun's argument handling
+    (``--standalone``: a rendezvous on a free local port) and launch config, with the start method "forkserver"."""
     single_node = parse_min_max_nnodes(args.nnodes)[1] == 1
     if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
                            and single_node):  # as torchrun: a rendezvous on a free local port
@@ -69,7 +76,7 @@ def _run(torchrun_args: list[str]) -> None:
     config, _, _ = config_from_args(args)
     config.start_method = "forkserver"
     workers.start_worker_server(config.nproc_per_node)  # started already by the command, before it loaded the config
-    elastic_launch(config, entrypoint=workers.dufu)(list(args.training_script_args), *workers.launch_state())
+    elastic_launch(config, entrypoint=entrypoint)(*entry_args)
 
 
 def _no_traceback_of_an_exit(record: logging.LogRecord) -> bool:

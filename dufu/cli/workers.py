@@ -69,12 +69,10 @@ def launch_state() -> tuple[dict, str, int]:
     return dict(os.environ), os.getcwd(), os.getpid()
 
 
-def dufu(argv: list[str], launcher_env: dict, cwd: str, agent_pid: int) -> None:
-    """Run ``dufu ARGV`` as a worker of torchrun's agent, in a process forked from the worker server (named as the
-    program a worker started by torchrun runs, which is the name torchrun's failure report gives).
-
-    Returns on success (torchrun's multiprocessing context waits for every worker's return); raises SystemExit
-    with the exit code ``python -m dufu ARGV`` would have had otherwise."""
+def become_worker(launcher_env: dict, cwd: str, agent_pid: int) -> None:
+    """Make this forked process what a worker torchrun started would be: a session of its own, the launcher's
+    environment with torchrun's per-worker variables over it, the launcher's working directory, and
+    ``DUFU_AGENT_PID``."""
     os.setsid()
     if os.getpid() != _SERVER_PID:  # imported in the server: its environment is known
         # torchrun's per-worker variables (RANK, LOCAL_RANK, MASTER_PORT, ...): what the agent set over it
@@ -87,6 +85,15 @@ def dufu(argv: list[str], launcher_env: dict, cwd: str, agent_pid: int) -> None:
             os.environ.setdefault(name, value)
     os.environ[AGENT_PID_ENV] = str(agent_pid)
     os.chdir(cwd)
+
+
+def dufu(argv: list[str], launcher_env: dict, cwd: str, agent_pid: int) -> None:
+    """Run ``dufu ARGV`` as a worker of torchrun's agent, in a process forked from the worker server (named as the
+    program a worker started by torchrun runs, which is the name torchrun's failure report gives).
+
+    Returns on success (torchrun's multiprocessing context waits for every worker's return); raises SystemExit
+    with the exit code ``python -m dufu ARGV`` would have had otherwise."""
+    become_worker(launcher_env, cwd, agent_pid)
     sys.argv = ["dufu", *argv]
 
     from dufu import cli
