@@ -66,9 +66,42 @@ def train_command(config, output_dir, nproc: int = 1, *overrides: str, resume: b
 
 
 def torchrun_command(script, nproc: int, *args) -> list[str]:
-    """``python -m torch.distributed.run --standalone --nproc-per-node=N SCRIPT ARGS`` (a worker script)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", str(script),
-            *map(str, args)]
+    """``python tests/launch.py --nproc N SCRIPT ARGS``: what ``torchrun --standalone --nproc-per-node=N SCRIPT ARGS``
+    does, with the workers forked from dufu's worker server as those of ``dufu train --nproc N`` are (each runs
+    SCRIPT as ``__main__``: :func:`forked_script`)."""
+    return [sys.executable, str(Path(__file__).resolve()), "--nproc", str(nproc), str(script), *map(str, args)]
+
+
+def forked_script(script: str, args: list, launcher_env: dict, cwd: str, agent_pid: int) -> None:
+    """A worker of :func:`torchrun_command`: a forked process made a torchrun worker, running ``script``."""
+    import runpy
+
+    from dufu.cli.workers import become_worker
+
+    become_worker(launcher_env, cwd, agent_pid)
+    sys.argv = [script, *args]
+    sys.path.insert(0, str(Path(script).resolve().parent))  # as python SCRIPT has it
+    runpy.run_path(script, run_name="__main__")
+
+
+def _launch_script(nproc: int, script: str, args: list) -> int:
+    """The launcher side of :func:`torchrun_command` (this file's ``__main__``); the exit code."""
+    import traceback
+
+    from torch.distributed.run import parse_args
+
+    import launch  # this file as a module: the entrypoint the forked workers import by name
+    from dufu.cli.torchrun import launch_forked
+    from dufu.cli.workers import launch_state, start_worker_server
+
+    start_worker_server(nproc)
+    try:
+        launch_forked(parse_args(["--standalone", f"--nproc-per-node={nproc}", script]), launch.forked_script,
+                      script, args, *launch_state())
+    except Exception:  # noqa: BLE001 - a failed worker: torchrun's report, then the job's exit code
+        traceback.print_exc()
+        return 1
+    return 0
 
 
 # ------------------------------------------------------------------------------------------ results
@@ -325,3 +358,7 @@ def _kill_processes_with_argument(argument: str) -> None:
                 os.kill(int(entry.name), signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+if __name__ == "__main__":  # python tests/launch.py --nproc N SCRIPT ARGS (torchrun_command)
+    sys.exit(_launch_script(int(sys.argv[2]), sys.argv[3], sys.argv[4:]))

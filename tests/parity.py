@@ -296,7 +296,7 @@ class SharedRuns:
             plan_file.write_text(json.dumps(plan, indent=1))
             # train.output_dir=JOB on the workers' command line lets launch.py find and end them.
             args = (plan_file, f"train.output_dir={job}")
-            return [sys.executable, WORKER, *(("--nproc", str(nproc)) if nproc > 1 else ()), *map(str, args)]
+            return launch.torchrun_command(WORKER, nproc, *args) if nproc > 1 else [sys.executable, WORKER, *args]
 
         self.root.mkdir(parents=True, exist_ok=True)
         outcomes = launch.run_in_turn(names, command, self.root, timeout=self.timeout,

@@ -1,10 +1,7 @@
 """Several ``dufu train`` runs one after another in the same processes (tests/parity.py's SharedRuns).
 
-    python tests/parity_worker.py --nproc N PLAN.json train.output_dir=JOB   (N workers, forked as dufu's are)
-    python tests/parity_worker.py PLAN.json train.output_dir=JOB             (one process)
-
-With ``--nproc N`` this process is the launcher: torchrun's agent in it (dufu.cli.torchrun.launch_forked) forks
-the N workers from dufu's worker server, exactly as ``dufu train --nproc N`` does, and each runs :func:`forked`.
+    python tests/launch.py --nproc N tests/parity_worker.py PLAN.json train.output_dir=JOB   (N workers)
+    python tests/parity_worker.py PLAN.json train.output_dir=JOB                             (one process)
 
 PLAN.json lists runs ``{"name", "output_dir", "config", "args", "env", "resume_of"}``. Every worker runs each of
 them through ``dufu.cli.main(["train", CONFIG, *ARGS, "train.output_dir=OUTPUT_DIR"])``, as a worker of
@@ -74,35 +71,5 @@ def main(plan_file: str, job: str) -> None:
     finish(0)
 
 
-def forked(plan_file: str, job: str, launcher_env: dict, cwd: str, agent_pid: int) -> None:
-    """A worker of ``--nproc N``: a forked process made a torchrun worker (dufu.cli.workers.become_worker)."""
-    from dufu.cli.workers import become_worker
-
-    become_worker(launcher_env, cwd, agent_pid)
-    main(plan_file, job)
-
-
-def launch(nproc: int, plan_file: str, job: str) -> int:
-    """Start ``nproc`` workers running :func:`forked` as ``dufu train --nproc`` starts its own; the exit code."""
-    from torch.distributed.run import parse_args
-
-    import parity_worker  # this file as a module: the entrypoint the forked workers import by name
-    from dufu.cli.torchrun import launch_forked
-    from dufu.cli.workers import launch_state, start_worker_server
-
-    start_worker_server(nproc)
-    args = parse_args(["--standalone", f"--nproc-per-node={nproc}", sys.argv[0]])
-    try:
-        launch_forked(args, parity_worker.forked, plan_file, job, *launch_state())
-    except Exception:  # noqa: BLE001 - a failed worker: torchrun's report, then the job's exit code
-        import traceback
-
-        traceback.print_exc()
-        return 1
-    return 0
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "--nproc":
-        sys.exit(launch(int(sys.argv[2]), sys.argv[3], sys.argv[4].split("=", 1)[1]))
     main(sys.argv[1], sys.argv[2].split("=", 1)[1])

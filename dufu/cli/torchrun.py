@@ -83,7 +83,8 @@ def _no_traceback_of_an_exit(record: logging.LogRecord) -> bool:
     """torchrun logs a failed function worker with the traceback of the exception that reports its exit code
     (``ProcessExitedException``, raised in the agent, not in the worker); a worker started as a program gets the
     line alone. The line is kept, the agent's traceback dropped: the worker's own error is printed above it."""
-    if str(record.msg).startswith("failed (exitcode") and record.exc_info:
+    if (str(record.msg).startswith("failed (exitcode") and record.exc_info
+            and record.exc_info[0].__name__ == "ProcessExitedException"):
         record.exc_info, record.exc_text = None, None
     return True
 
