@@ -11,6 +11,9 @@
   once per session for each config and overrides, whichever tests compare with it.
 * ``shared_runs``: a module's multi-process runs in shared launches (tests/parity.py's SharedRuns), limited to
   the runs of the tests selected.
+* The checkpoint tests' background runs (tests/checkpoint/checkpoint_runs.py) start when the session starts, and
+  tests/checkpoint runs last: the runs train while the single-process tests run in this process, which uses
+  one thread (the other core would wait), and are done when the checkpoint tests read them.
 """
 
 from __future__ import annotations
@@ -45,6 +48,30 @@ def dufu_cache_dir(tmp_path_factory):
         os.environ.pop("DUFU_CACHE_DIR", None)
     else:
         os.environ["DUFU_CACHE_DIR"] = old
+
+
+CHECKPOINT_TESTS = Path(__file__).resolve().parent / "checkpoint"
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """tests/checkpoint last (in their own order), after the tests its background runs train beside."""
+    last = [item for item in items if CHECKPOINT_TESTS in Path(str(item.path)).resolve().parents]
+    if last:
+        items[:] = [item for item in items if CHECKPOINT_TESTS not in Path(str(item.path)).resolve().parents] + last
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkpoint_runs_in_background(request, tmp_path_factory, dufu_cache_dir):
+    """Start the checkpoint tests' background runs with the session, when any of those tests is selected."""
+    if not any(item.get_closest_marker("checkpoint_jobs") for item in request.session.items):
+        yield
+        return
+    sys.path.insert(0, str(CHECKPOINT_TESTS))
+    import checkpoint_runs
+
+    checkpoint_runs.session_pool(request.session.items, lambda: tmp_path_factory.mktemp("checkpoint_runs"))
+    yield
+    checkpoint_runs.shutdown_session_pool()
 
 
 @pytest.fixture
