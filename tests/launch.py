@@ -203,18 +203,26 @@ def _run_once(cmd: list[str], timeout: float, output_dir, cwd, env, fault) -> Pr
     with _LIVE_LOCK:
         _LIVE.add(live)
     timed_out = False
+    seen: dict[int, str] = {}  # every descendant seen while the run lived: pid -> its start time
     try:
-        out, err = proc.communicate(timeout=timeout)
+        while True:  # a retried communicate loses no output
+            try:
+                out, err = proc.communicate(timeout=min(1.0, max(0.01, start_time + timeout - time.monotonic())))
+                break
+            except subprocess.TimeoutExpired:
+                seen.update((pid, _start_time(pid)) for pid in _descendants(proc.pid))
+                if time.monotonic() >= start_time + timeout:
+                    raise
     except subprocess.TimeoutExpired:
         timed_out = True
-        _end(*live)
+        _end(*live, seen)
         out, err = proc.communicate()
         err += f"\n[test harness: killed after {timeout:.0f} s]"
     finally:
         with _LIVE_LOCK:
             _LIVE.discard(live)
         seconds, ended = time.monotonic() - start_time, time.time()
-        _end(*live)
+        _end(*live, seen)
     return Proc(cmd, proc.returncode, out, err, seconds, ended, Path(output_dir) if output_dir is not None else None,
                 timed_out)
 
@@ -298,10 +306,12 @@ _LIVE: set = set()  # (Popen, output_dir) of the processes in progress
 _LIVE_LOCK = threading.Lock()
 
 
-def _end(proc: subprocess.Popen, output_dir: Optional[str]) -> None:
+def _end(proc: subprocess.Popen, output_dir: Optional[str], seen: Optional[dict] = None) -> None:
     """Nothing of a run outlives it: its session, its descendants (dufu's forked workers run in sessions of their
-    own), and torchrun workers in sessions of their own, orphaned or not."""
-    descendants = _descendants(proc.pid)
+    own), those seen while it ran (``seen``: pid -> start time; orphaned when a launcher was killed, and still the
+    same process), and torchrun workers in sessions of their own, orphaned or not."""
+    descendants = set(_descendants(proc.pid))
+    descendants.update(pid for pid, started in (seen or {}).items() if started and _start_time(pid) == started)
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
@@ -313,6 +323,16 @@ def _end(proc: subprocess.Popen, output_dir: Optional[str]) -> None:
             pass
     if output_dir is not None:
         _kill_processes_with_argument(f"train.output_dir={output_dir}")
+
+
+def _start_time(pid: int) -> str:
+    """When process ``pid`` started (clock ticks since boot, /proc/PID/stat), "" if there is none: with the pid, it
+    names one process (pids are reused)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat[stat.rindex(")") + 2:].split()[19]
 
 
 def _descendants(pid: int) -> list[int]:
