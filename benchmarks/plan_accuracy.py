@@ -83,6 +83,8 @@ from harness.launch import read_metrics
 from harness.memory import phase_mib
 from harness.results import fmt
 from parallel_memory import MEMORY_SEQ
+
+from dufu.environment import environment
 from plan_accuracy_models import BY_NAME, CALIBRATION, HELD_OUT, Model, select
 from plan_accuracy_report import compare, models_report, observations, plot, report, summary
 
@@ -317,20 +319,8 @@ RUN_SETTINGS = {"OMP_NUM_THREADS": "1", **parallel_memory.ALLOCATORS[ALLOCATOR]}
 def planning_as_run(settings: dict):
     """This process's environment with ``settings`` (and no malloc setting the runs did not have), restored after."""
     keys = {*settings, *(k for a in parallel_memory.ALLOCATORS.values() for k in a)}
-    old = {k: os.environ.get(k) for k in keys}
-    for k in keys:
-        if k in settings:
-            os.environ[k] = settings[k]
-        else:
-            os.environ.pop(k, None)
-    try:
+    with environment({k: settings.get(k) for k in keys}):
         yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def predict(rows: list[dict], estimate, recipe: str = CALIBRATION.recipe, settings: dict | None = None) -> dict:

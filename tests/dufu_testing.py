@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from dufu.environment import environment  # noqa: F401 - the tests import it from here
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,23 +36,6 @@ DEBUG_RUN_OVERRIDES = (
     "train.generation.max_new_tokens=8",
     "train.generation.prompts=['The ']",
 )
-
-
-@contextlib.contextmanager
-def environment(variables):
-    """``os.environ`` with ``variables`` (a dict, or (name, value) pairs) set while the block runs, each restored
-    (or removed) after it."""
-    variables = dict(variables)
-    saved = {k: os.environ.get(k) for k in variables}
-    os.environ.update(variables)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def load_config(recipe: str = "gpt_debug", overrides=()):

@@ -28,6 +28,8 @@ import os
 import sys
 import time
 
+from dufu.environment import environment
+
 # What every worker imports before its first step; ``dufu.cli.workers`` first, so that _SERVER_ENV below is the
 # fork server's environment.
 PRELOAD = ("dufu.cli.workers", "dufu.cli.train", "dufu.cli.eval", "dufu.engine.trainer", "torch._dynamo",
@@ -51,17 +53,9 @@ def start_worker_server(nproc: int) -> None:
     start_env = {"PYTHONUNBUFFERED": "1"}
     if nproc > 1 and "OMP_NUM_THREADS" not in os.environ:
         start_env["OMP_NUM_THREADS"] = "1"
-    before = {name: os.environ.get(name) for name in start_env}
-    os.environ.update(start_env)
-    try:
+    with environment(start_env):
         forkserver.set_forkserver_preload(list(PRELOAD))
         forkserver.ensure_running()
-    finally:
-        for name, value in before.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def launch_state() -> tuple[dict, str, int]:
