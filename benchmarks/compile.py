@@ -78,6 +78,7 @@ def worker(config: str, steps: int, overrides: list[str]) -> None:
     for _ in range(steps):
         w, c = time.perf_counter(), time.process_time()
         loss, _ = trainer.train_step()
+        loss = float(loss)  # the step's end on any device (the loop itself reads it once per log period)
         walls.append(time.perf_counter() - w)
         cpus.append(time.process_time() - c)
         losses.append(loss)

@@ -128,6 +128,7 @@ class ActivationProbe(Hook):
         self._cpu0, self._wall0 = time.process_time(), time.perf_counter()
 
     def after_optimizer(self, trainer, loss, grad_norm) -> None:
+        loss = float(loss)  # a host read: on a GPU the step has ended when it returns
         wall, cpu = time.perf_counter() - self._wall0, time.process_time() - self._cpu0
         hwm, rss1 = proc.status_kib("VmHWM"), proc.status_kib("VmRSS")
         if self._hooks is not None:

@@ -123,7 +123,7 @@ class DufuRunner:
 
     def step(self) -> float:
         loss, _grad_norm = self.trainer.train_step()
-        return loss
+        return float(loss)  # the step's end, as the hand-written loop's loss.item()
 
     @torch.no_grad()
     def loss_on(self, batch: torch.Tensor) -> float:

@@ -35,5 +35,6 @@ class StepTimes(Hook):
         self.samples.append([list(mb) for mb in micro_batches])
 
     def after_optimizer(self, trainer, loss, grad_norm) -> None:
+        loss = float(loss)  # a host read: on a GPU the timer then covers the whole step, not just its queueing
         self.steps.append({"step": trainer.step + 1, "wall_s": time.perf_counter() - self._t0,
                            "cpu_s": time.process_time() - self._c0, "loss": loss})

@@ -35,16 +35,16 @@ def evaluate(runtime, dataset=None) -> dict:
         if parts is None:
             n_batches = min(eval_iter, len(dataset) // G)
             total, correct, classification = _loss_sums(runtime, dataset, n_batches)
-            mean = runtime.loss.reduce(total) / n_batches
+            mean = float(runtime.loss.reduce(total)) / n_batches  # an evaluation ends in a host read
             result = {"eval_loss": mean, "eval_ppl": _ppl(mean), "eval_samples": n_batches * G}
             if classification:
-                result["eval_accuracy"] = runtime.loss.reduce(correct * runtime.dims.data_parallel_size) / n_batches
+                result["eval_accuracy"] = float(runtime.loss.reduce(correct * runtime.dims.data_parallel_size)) / n_batches
             return result
         per_dataset, loss_sum, batches = {}, 0.0, 0
         for name, dataset in parts:
             n_batches = max(1, min(eval_iter, len(dataset) // G))
             total, _, _ = _loss_sums(runtime, dataset, n_batches)
-            summed = runtime.loss.reduce(total)  # every rank reduces every dataset, in the same order
+            summed = float(runtime.loss.reduce(total))  # every rank reduces every dataset, in the same order
             per_dataset[f"eval_loss/{name}"] = summed / n_batches
             per_dataset[f"eval_ppl/{name}"] = _ppl(summed / n_batches)
             loss_sum, batches = loss_sum + summed, batches + n_batches

@@ -28,28 +28,31 @@ class GlobalBatchLoss:
         self.teacher = None  # set once the runtime has built it: distillation changes the stage loss
         self.global_targets = None  # set by begin(); None outside a batch
 
-    def begin(self, batches: list[dict]) -> float:
+    def begin(self, batches: list[dict]) -> torch.Tensor:
         """Count the targets of the global batch whose local part is ``batches`` (micro-batches of this rank):
         summed over data-parallel ranks (tensor and pipeline peers hold the same samples; with context
-        parallelism each rank counts its chunks' targets). Returns the count it keeps for :meth:`weight`."""
+        parallelism each rank counts its chunks' targets). Returns the count it keeps for :meth:`weight`: a
+        float64 tensor on the device (at least 1), never read on the host (:mod:`dufu.engine.host_reads`)."""
         rt = self.runtime
         n = sum(count_loss_targets(b).to(rt.device, torch.float64) for b in batches)
         if rt.dims.data_axis_size > 1:
             dist.all_reduce(n, group=rt.data_group())
-        self.global_targets = max(float(n.item()), 1.0)
+        self.global_targets = n.clamp(min=1.0)
         return self.global_targets
 
-    def weight(self, inputs: dict) -> float:
-        """The weight of a micro-batch's mean loss (module docstring)."""
+    def weight(self, inputs: dict) -> torch.Tensor:
+        """The weight of a micro-batch's mean loss (module docstring), a float64 tensor on the device."""
         if self.global_targets is None:
             raise RuntimeError("GlobalBatchLoss.begin() must count the global batch before a micro-batch is weighted")
-        return float(count_loss_targets(inputs)) * self.runtime.dims.data_axis_size / self.global_targets
+        count = count_loss_targets(inputs).to(self.global_targets.device, torch.float64)
+        return count * self.runtime.dims.data_axis_size / self.global_targets
 
     def weighted(self, loss: torch.Tensor, inputs: dict) -> torch.Tensor:
         """``loss`` x :meth:`weight`. A micro-batch without targets (a context-parallel chunk of prompt or
-        padding, whose mean loss is 0 / 0 = nan) adds 0 and a zero gradient, not nan x 0."""
+        padding, whose mean loss is 0 / 0 = nan) adds 0 and a zero gradient, not nan x 0: decided on the device
+        (``torch.where`` passes no gradient to the branch it does not take)."""
         weight = self.weight(inputs)
-        return loss * weight if weight else loss.nan_to_num(0.0) * 0.0
+        return torch.where(weight > 0, loss * weight.to(loss.dtype), torch.zeros_like(loss))
 
     def scaled(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the fp16 loss scale (a no-op without fp16) for its backward."""
@@ -73,13 +76,14 @@ class GlobalBatchLoss:
         scaler = self.runtime.scaler
         return torch.stack([local_scalar(l) for l in losses]).mean() / (scaler.scale if scaler is not None else 1.0)
 
-    def reduce(self, local: torch.Tensor) -> float:
+    def reduce(self, local: torch.Tensor) -> torch.Tensor:
         """The mean over the global batch from each rank's share: averaged over the data ranks of the last
-        pipeline stage (tensor peers hold the same value, and are divided out)."""
+        pipeline stage (tensor peers hold the same value, and are divided out). A tensor on the device: the
+        loop reads it once per log period (:class:`dufu.engine.step_stats.StepStats`)."""
         rt = self.runtime
         if rt.world_size == 1:
-            return local.item()
+            return local.float()
         share = local.float() * (1.0 if rt.parts.last else 0.0)
         share = share / (rt.dims.data_axis_size * rt.dims.tensor_parallel_size)
         dist.all_reduce(share)
-        return share.item()
+        return share

@@ -66,7 +66,9 @@ class Hook:
     def before_optimizer(self, trainer, grad_norm: torch.Tensor) -> None:
         pass
 
-    def after_optimizer(self, trainer, loss: float, grad_norm: float) -> None:
+    def after_optimizer(self, trainer, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+        """``loss``, ``grad_norm``: 0-dim tensors on the device; ``float()`` of one is a host read (a GPU
+        waits for the step to finish), which the loop itself does only once per log period."""
         pass
 
     def on_save(self, trainer, path) -> None:

@@ -83,7 +83,7 @@ class MoEMonitor(Hook):
             forwards = m.pop_stats()[-rt.num_accumulation_steps:]
             if forwards:
                 w = self.window.setdefault(name, [0.0, 0, 0])
-                w[0] += float(sum(aux for aux, _ in forwards))
+                w[0] = w[0] + sum(aux.detach() for aux, _ in forwards)  # on the device: read at the log step
                 w[1] = w[1] + sum(counts for _, counts in forwards)
                 w[2] += len(forwards)
 
@@ -99,7 +99,7 @@ class MoEMonitor(Hook):
                 continue
             row = table[self.names.index(name)]
             row[:counts.numel()] = counts.to(device, torch.float64)
-            row[-2], row[-1] = float(aux), forwards
+            row[-2], row[-1] = aux, forwards
         if tr.world_size > 1:
             dist.all_reduce(table)
         table = table.cpu()

@@ -206,7 +206,12 @@ class Train:
     # A non-finite loss or gradient: "stop" (name the step and the first offending tensor) or "skip" (drop the
     # update, count it, log it).
     nan_policy: str = "stop"
+    # Losses, gradient norms and non-finite verdicts stay on the device and are read once per log_period (and
+    # before an evaluation or a save): dufu.engine.step_stats.
     log_period: int = 10
+    # Python's cyclic garbage collector runs between steps every gc_period steps, not whenever allocations
+    # trigger it (which on many ranks makes a different rank pause in each step); 0: Python decides, as usual.
+    gc_period: int = 50
     clip_grad_norm: Optional[float] = 1.0  # None or 0: no clipping
     scheduler: Lazy = field(default_factory=_scheduler)
     amp: Amp = field(default_factory=Amp)

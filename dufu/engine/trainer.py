@@ -15,7 +15,7 @@ What people read is in :mod:`dufu.engine.reporting.report`; failure messages in 
 
 from __future__ import annotations
 
-import contextlib, copy, functools, math, time  # noqa: E401
+import contextlib, copy, functools, gc, time  # noqa: E401
 from typing import Optional
 
 import torch
@@ -34,7 +34,8 @@ from dufu.engine.hooks import Hooks, RetryStep
 from dufu.engine.resilience.preemption import Preemption, clear_marker, write_marker
 from dufu.engine.preflight import with_kwargs
 from dufu.engine.runtime import Runtime
-from dufu.errors import CheckpointError, DistributedFailure
+from dufu.engine.step_stats import StepRecord, StepStats, first_non_finite, first_non_finite_loss
+from dufu.errors import CheckpointError, DistributedFailure, DufuError
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
 
 MAX_STEP_RETRIES = 1000  # a step a hook asks to take again (RetryStep) this many times stops the run
@@ -71,7 +72,8 @@ class Trainer:
         if rt.delta is not None:
             self.checkpointer.set_delta_only()  # a delta run (dufu.delta): only the delta trains and is saved
         self.step, self.last_lr = 0, 0.0
-        self.skipped_steps = 0  # updates dropped for a non-finite gradient under nan_policy="skip"
+        # loss, gradient norm and verdicts of the steps not yet read back from the device (dufu.engine.step_stats)
+        self.stats = StepStats(rt.device)
         self.activity = "before the first step"  # where the loop is, for DistributedFailure messages
         self.eval_enabled = bool(t.evaluation.enabled) and rt.valid_ds is not None
         self.preemption, self.preempted = Preemption(t.preemption.enabled, self.checkpointer), None  # SIGTERM/USR1/INT
@@ -149,10 +151,12 @@ class Trainer:
             rt.loss.scaled(loss).backward()  # outside autocast (torch's advice)
         return local_scalar(loss)
 
-    def train_step(self) -> tuple[float, float]:
+    def train_step(self) -> tuple[torch.Tensor, torch.Tensor]:
         """One global batch: hooks' step start, draw the micro-batches, forward/backward, clip, update. A hook
         that raises RetryStep after the backward has the step taken again from the same sample position.
-        Returns (loss, grad_norm)."""
+        Returns (loss, grad_norm): 0-dim tensors on the device, not read on the host (``float()`` them to print
+        one; the loop reads them once per log period, :mod:`dufu.engine.step_stats`). The step's gradients stay
+        until the next step starts or the loop drops them."""
         for retries in range(MAX_STEP_RETRIES):
             self.hooks.call("on_step_start", self)
             consumed = self.sampler.consumed_samples
@@ -165,8 +169,9 @@ class Trainer:
                 self.hooks.call("on_step_retry", self, retry)
         raise DistributedFailure(f"step {self.step + 1} was retried {MAX_STEP_RETRIES} times without being taken")
 
-    def _update(self, micro_batches: list[list[int]]) -> tuple[float, float]:
+    def _update(self, micro_batches: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
         rt = self.runtime
+        self.zero_grad()  # (the loop drops them after each step; a caller of train_step may not)
         for part in rt.model_parts:
             part.train()
         self.hooks.call("before_forward_backward", self, micro_batches)
@@ -177,23 +182,63 @@ class Trainer:
         grad_norm = clip_grad_norm_(params, self.cfg.train.clip_grad_norm or None, pp_group=rt.pipeline_group(),
                                     skip=rt.parts.tied_copies, grad_scale=rt.scaler.scale if rt.scaler else 1.0)
         self.hooks.call("before_optimizer", self, grad_norm)
-        overflow = not torch.isfinite(grad_norm)  # the same verdict on every rank: the norm is global
-        if rt.scaler:
-            rt.scaler.update(overflow)  # fp16 overflow is routine: skip the step, the scale backs off
-        elif overflow:
-            if self.cfg.train.nan_policy == "stop":
-                raise diagnose.non_finite_gradients(rt.model_parts, self.step + 1,
-                                                    f"the gradient norm is {grad_norm.item()}", rt.world_size)
-            self.skipped_steps += 1
-        for opt in self.optimizers:
-            if not overflow:
-                opt.step()
-            opt.zero_grad(set_to_none=True)
+        self._optimizer_step(grad_norm)
         for sched in self.schedulers:
             sched.step()
-        loss, grad_norm = rt.loss.reduce(local_loss), grad_norm.item()
+        loss = rt.loss.reduce(local_loss)
         self.hooks.call("after_optimizer", self, loss, grad_norm)
         return loss, grad_norm
+
+    def _optimizer_step(self, grad_norm: torch.Tensor) -> None:
+        """Take the update unless the gradients are not finite; the verdict is the same on every rank (the norm
+        is global). Decided on the device where the optimizers can (fused Adam/AdamW/SGD take ``found_inf`` and
+        skip the update in their kernel, step count included, as under torch's GradScaler): no host read. fp16's
+        loss scaler (a host number) and an optimizer without ``found_inf`` need the verdict on the host: one
+        read per step there. ``train.nan_policy="stop"`` acts when the loop next reads the step's numbers."""
+        rt = self.runtime
+        finite = torch.isfinite(grad_norm)
+        if rt.scaler is not None:  # fp16 overflow is routine: skip the step, the scale backs off
+            overflow = not bool(finite)
+            rt.scaler.update(overflow)
+            if not overflow:
+                for opt in self.optimizers:
+                    opt.step()
+            return
+        if all(getattr(opt, "_step_supports_amp_scaling", False) for opt in self.optimizers):
+            found_inf = (~finite).to(torch.float32)
+            for opt in self.optimizers:
+                opt.found_inf = found_inf
+                try:
+                    opt.step()
+                finally:
+                    del opt.found_inf
+        elif bool(finite):
+            for opt in self.optimizers:
+                opt.step()
+
+    def zero_grad(self) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=True)
+
+    def read_steps(self) -> list[StepRecord]:
+        """Read the steps' numbers back from the device (one host read) and act on a non-finite one as
+        ``train.nan_policy`` says: "stop" raises, naming the first such step (and, while its gradients are
+        still here, the parameters whose gradients are not finite); "skip" counts it (its update was not taken).
+        Under fp16 a non-finite value is an overflow the loss scaler has already skipped and backed off from."""
+        records = self.stats.read()
+        rt = self.runtime
+        if rt.scaler is not None or self.cfg.train.nan_policy != "stop":
+            return records
+        bad = first_non_finite(records)
+        if bad is not None:
+            what = f"the gradient norm is {bad.grad_norm}"
+            if bad.step != self.step:
+                what += f" (read at step {self.step}, where the gradients may be finite again)"
+            raise diagnose.non_finite_gradients(rt.model_parts, bad.step, what, rt.world_size)
+        bad = first_non_finite_loss(records)
+        if bad is not None:
+            raise diagnose.non_finite_loss(bad.loss, bad.step)
+        return records
 
     def evaluate(self) -> dict:
         return self.runtime.evaluate()
@@ -214,6 +259,17 @@ class Trainer:
 
     def _train(self) -> dict:
         t = self.cfg.train
+        if t.gc_period:  # Python's collector on a schedule, between steps (torchtitan's gc_freq)
+            gc.disable()
+            gc.collect()
+            try:
+                return self._loop()
+            finally:
+                gc.enable()
+        return self._loop()
+
+    def _loop(self) -> dict:
+        t = self.cfg.train
         self._begin()
         log = report.RunLog(self)
         if self.eval_enabled and self.step == 0:
@@ -224,18 +280,27 @@ class Trainer:
             self.activity = f"at step {self.step + 1}"
             loss, grad_norm = self.train_step()
             self.step += 1
-            # Under fp16 a non-finite loss is an overflow the loss scaler has already skipped and backed off from.
-            if not math.isfinite(loss) and self.scaler is None and t.nan_policy == "stop":
-                log.close()
-                raise diagnose.non_finite_loss(loss, self.step)
-            log.step(loss, grad_norm)
-            if self.eval_enabled and (self.step % t.evaluation.eval_period == 0 or self.step == t.train_iter):
+            self.stats.add(self.step, loss, grad_norm)
+            logged = self.step % t.log_period == 0 or self.step == t.train_iter
+            evaluated = self.eval_enabled and (self.step % t.evaluation.eval_period == 0 or self.step == t.train_iter)
+            period = t.checkpointer.period
+            if logged or evaluated or (period and self.step % period == 0):
+                try:
+                    self.read_steps()  # the one host read of these steps' numbers
+                except DufuError:
+                    log.close()
+                    raise
+            self.zero_grad()  # before an evaluation or a save, which do not need them
+            if t.gc_period and self.step % t.gc_period == 0:
+                gc.collect(1)  # the young generations: a full collection happens before the loop only
+            log.step(self.stats.last if logged else None)
+            if evaluated:
                 self.activity = f"while evaluating after step {self.step}"
                 log.evaluation(self.evaluate())
             stop_reason = self._stop_reason(log.t_start)
-            period = t.checkpointer.period
             if (period and self.step % period == 0) or self.step == t.train_iter or stop_reason:
                 self.activity = f"while saving the checkpoint of step {self.step}"
+                self.read_steps()  # a stop at a step that was not read (preemption): no checkpoint of a bad step
                 log.checkpoint(self.save_checkpoint())
         self.checkpointer.wait()
         if self.preempted and self.is_main:  # the launcher's exit code reads it (dufu.engine.resilience.preemption)

@@ -39,6 +39,7 @@ def validate_config(cfg) -> None:
     _positive_int(t.global_batch_size, "train.global_batch_size", allow_none=True)
     _positive_int(t.num_accumulation_steps, "train.num_accumulation_steps", allow_none=True)
     _positive_int(t.log_period, "train.log_period")
+    _positive_int(t.gc_period, "train.gc_period", allow_zero=True)
     _positive_int(t.checkpointer.period, "train.checkpointer.period", allow_zero=True)
     _positive_int(t.evaluation.eval_period, "train.evaluation.eval_period")
     _positive_int(t.stop_at_iter, "train.stop_at_iter", allow_none=True)

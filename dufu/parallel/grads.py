@@ -68,15 +68,16 @@ def total_grad_norm(parameters, pp_group=None, skip=()) -> torch.Tensor:
         # non-finite gradient on one rank only (a faulty device, a bad kernel) would be seen by that rank
         # alone: it would stop or skip the update while the others step on (hang, or diverged replicas).
         # One flag, reduced over all ranks, makes the verdict the same everywhere.
+        # Decided on the device (no host read: dufu.engine.step_stats).
         bad = (~torch.isfinite(sq)).to(torch.float32).reshape(1)
         dist.all_reduce(bad, op=dist.ReduceOp.MAX)
-        if bad.item() > 0:
-            sq = torch.full_like(sq, float("nan"))
+        sq = torch.where(bad.reshape(()) > 0, torch.full_like(sq, float("nan")), sq)
     return sq.sqrt()
 
 
-def scale_grads_(parameters, factor: float) -> None:
-    """Multiply every gradient by ``factor`` in place (grouped so plain tensors and DTensors never mix)."""
+def scale_grads_(parameters, factor) -> None:
+    """Multiply every gradient by ``factor`` (a number, or a 0-dim tensor on the gradients' device) in place
+    (grouped so plain tensors and DTensors never mix)."""
     groups: dict = {}
     for p in _unique_grads(parameters):
         key = id(p.grad.device_mesh) if isinstance(p.grad, DTensor) else ("local", p.grad.device)
@@ -88,19 +89,23 @@ def scale_grads_(parameters, factor: float) -> None:
 def clip_grad_norm_(parameters, max_norm: float | None, pp_group=None, skip=(), grad_scale: float = 1.0) -> torch.Tensor:
     """Unscale (by ``grad_scale``, the fp16 loss scale) and clip to ``max_norm`` in one pass.
 
-    Returns the total norm of the unscaled gradients before clipping; when it is not finite the
-    gradients are left untouched (the caller skips the step). ``skip``: parameters left out of the
-    norm (a tied copy whose twin is counted on another stage). None or inf ``max_norm``: no clipping.
+    Returns the total norm of the unscaled gradients before clipping (a 0-dim tensor on the device: nothing is
+    read on the host); when it is not finite the gradients are left untouched (the caller skips the step).
+    ``skip``: parameters left out of the norm (a tied copy whose twin is counted on another stage). None or inf
+    ``max_norm``: no clipping. The clip coefficient is torch's (``clip_grads_with_norm_``): ``max_norm / (norm +
+    1e-6)`` clamped to 1, computed on the device.
     """
     parameters = list(parameters)
     total = total_grad_norm(parameters, pp_group, skip) / grad_scale
-    if not torch.isfinite(total):
+    clipping = max_norm is not None and math.isfinite(max_norm)
+    if not clipping and grad_scale == 1.0:
         return total
-    factor = 1.0 / grad_scale
-    if max_norm is not None and math.isfinite(max_norm):
-        factor *= min(1.0, max_norm / (total.item() + 1e-6))
-    if factor != 1.0:
-        scale_grads_(parameters, factor)
+    factor = torch.full_like(total, 1.0 / grad_scale)
+    if clipping:
+        factor = factor * torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    # a non-finite norm leaves the gradients as they are (the step is skipped or the run stops)
+    factor = torch.where(torch.isfinite(total), factor, torch.ones_like(factor))
+    scale_grads_(parameters, factor)
     return total
 
 

@@ -13,12 +13,16 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import socket
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
-from launch import Proc, assert_ok, run, stop_all, train_command
+import torch
+
+from launch import Proc, _kill_processes_with_argument, assert_ok, run, start, stop_all, train_command
+from parity import PARITY_ARGS
 
 # Every run: gpt_debug (fp32, no dropout), 10 steps, checkpoints at 5 and 10, and the same global batch,
 # so every layout sees the same samples in the same order and reaches the same weights.
@@ -195,7 +199,7 @@ class JobPool:
 
 # Start order of the background runs.
 PRIORITY = (
-    "run_b", "hang_fault", *(f"resume_{t}" for t in RESUME_TARGETS), "async_run", "kill_dp2", "kill_1",
+    "elastic", "elastic_reference", "run_b", "hang_fault", *(f"resume_{t}" for t in RESUME_TARGETS), "async_run", "kill_dp2", "kill_1",
     "restart", "exit_fault", "stop_minutes", "corrupt_resume_dp2",
     "nan_stop_tp2", "nan_skip_tp2", "nan_stop_dp2", "nan_skip_dp2",
 )
@@ -291,6 +295,48 @@ def define_jobs(pool: JobPool, root) -> None:
         return shard, run(train_command(out / "config.yaml", out, n, *dist, resume=True), output_dir=out)
 
     pool.define("corrupt_resume_dp2", corrupt_resume, deps=("run_b",))
+
+    def elastic_reference(pool):
+        out = fresh("elastic_reference")
+        return run(train_command("gpt_debug", out, 1, *PARITY_ARGS, *ELASTIC_RUN), output_dir=out)
+
+    def elastic(pool):
+        """test_elastic's two local nodes (its docstring): a job that mostly waits for collective timeouts and
+        restarts, so it runs here, beside the single-process tests, instead of holding up the session."""
+        out = fresh("elastic")
+        port = free_port()
+        flags = ("--nnodes", "1:2", "--rdzv-endpoint", f"localhost:{port}", "--rdzv-id", "elastic-test",
+                 "--max-restarts", "2")
+        cmd = train_command("gpt_debug", out, 2, *PARITY_ARGS, *ELASTIC_RUN, "train.dist.data_parallel_size=-1",
+                            flags=flags)
+        # No output_dir for launch's clean-up: the lost node's launcher ends first, and its clean-up (every
+        # process with this output_dir on its command line) would take the surviving node's workers with it.
+        # The rendezvous store lives in this process, as on a cluster where it runs on a machine of its own:
+        # whichever node's agent would host it (the first to bind the port; c10d rendezvous gives ranks 2-3 to
+        # either node) may be the lost one, which took the store with it and the survivor could not rendezvous
+        # again. The agents find the port taken and join as clients (torch's c10d rendezvous backend).
+        store = torch.distributed.TCPStore("localhost", port, is_master=True, wait_for_workers=False)
+        try:
+            nodes = [start(cmd, fault="kill_node:3:12", retry=False, timeout=400) for _ in range(2)]
+            procs = [n.result() for n in nodes]
+        finally:
+            _kill_processes_with_argument(f"train.output_dir={out}")
+            del store
+        return out, procs
+
+    pool.define("elastic_reference", elastic_reference)
+    pool.define("elastic", elastic)
+
+
+# test_elastic's run: a short collective timeout, so the surviving node notices the lost one quickly
+ELASTIC_RUN = ("train.train_iter=20", "train.checkpointer.period=10", "train.log_period=1",
+               "train.dist.timeout_minutes=0.1")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
 
 
 _POOL: list = []  # the session's pool, once started

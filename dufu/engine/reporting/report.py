@@ -189,23 +189,27 @@ class RunLog:
         self.timed_steps, self.timed_seconds = 0, 0.0  # the logged windows, for the end summary
         self.t_start = self.clock.start()
 
-    def step(self, loss: float, grad_norm: float) -> None:
-        """Count a finished step; every train.log_period steps (and at the last) write a record. Every rank
-        calls this after every step (the record's time is reduced over ranks)."""
+    def step(self, numbers=None) -> None:
+        """Count a finished step; every train.log_period steps (and at the last) write a record of ``numbers``
+        (the step's :class:`~dufu.engine.step_stats.StepRecord`, read back from the device by the loop for these
+        steps only). Every rank calls this after every step (the record's time is reduced over ranks)."""
         tr, rt, step = self.trainer, self.runtime, self.trainer.step
         self.window_steps += 1
         if step % self.log_period == 0 or step == self.train_iter:
+            if numbers is None or numbers.step != step:
+                raise RuntimeError(f"RunLog.step at step {step} (a log step) needs that step's numbers")
+            loss = numbers.loss
             seconds = self.clock.window()
             rates = window_rates(rt.tokens_per_step, self.window_steps, seconds, rt.flops_per_token, rt.peak_flops,
                                  rt.world_size)
             self.timed_steps, self.timed_seconds = self.timed_steps + self.window_steps, self.timed_seconds + seconds
             record = {
-                "step": step, "loss": loss, "lr": tr.last_lr, "grad_norm": grad_norm,
+                "step": step, "loss": loss, "lr": tr.last_lr, "grad_norm": numbers.grad_norm,
                 "tokens_per_s": rates["tokens_per_s"], "mfu": rates["mfu"], "step_time_s": rates["step_time_s"],
                 "consumed_samples": tr.sampler.state_dict()["consumed_samples"],
             }
-            if tr.skipped_steps:
-                record["skipped_steps"] = tr.skipped_steps
+            if numbers.skipped:
+                record["skipped_steps"] = numbers.skipped
             if rt.moe:  # a mixture-of-experts model: its load balance (dufu.engine.moe_monitor)
                 record.update(rt.moe.record(rt, step))
             if rt.scaler is not None:

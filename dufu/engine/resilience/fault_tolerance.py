@@ -267,7 +267,7 @@ class ReplicaGroups(Hook):
         self.retries += 1
         self._record(committed=False)
 
-    def after_optimizer(self, trainer, loss: float, grad_norm: float) -> None:
+    def after_optimizer(self, trainer, loss, grad_norm) -> None:
         self._record(committed=True, retries=self.retries)
         self.retries = 0
 

@@ -67,6 +67,7 @@ class Preemption:
 
     def __init__(self, enabled: bool = True, checkpointer=None):
         self.signal: Optional[int] = None
+        self.enabled = enabled
         self.checkpointer = checkpointer
         self.previous = {}
         if enabled and threading.current_thread() is threading.main_thread():
@@ -106,7 +107,10 @@ class Preemption:
 
     def requested(self, group=None, world_size: int = 1) -> Optional[str]:
         """The name of the signal that asked this job to stop, agreed by all ranks (every rank calls this at the
-        same step), or None."""
+        same step), or None. The agreement is one number all-reduced over a gloo group (a CPU tensor): the
+        hosts meet, but no device is waited for. Nothing is exchanged when preemption is off."""
+        if not self.enabled:
+            return None
         code = float(self.signal or 0)
         if world_size > 1:
             mine = torch.tensor([code])  # gloo group: a CPU tensor
