@@ -19,6 +19,7 @@ FAST = (
     "train.generation.enabled=False",
     "train.peak_tflops=1.0",
     "train.log_period=1",
+    "train.plan_memory=False",
 )
 
 # The session's reference run (fixture `debug_run`). Evaluation, TensorBoard and generation are on, so

@@ -49,6 +49,7 @@ PARITY_ARGS = (
     "train.tensorboard=False",
     "train.generation.enabled=False",
     "train.peak_tflops=1.0",
+    "train.plan_memory=False",
 )
 
 # Evaluation at step 0 (before training) and after the last step, on 2 global batches of the validation set.

@@ -90,7 +90,8 @@ def main(argv: list[str]) -> int:
     from dufu.engine.trainer import Trainer  # imports torch: not for --help
     from dufu.parallel.launch import finish_distributed  # imports torch: not for --help
 
-    trainer = Trainer(cfg, resume=resume_request(args), notices=[notice] if notice else ())
+    trainer = Trainer(cfg, resume=resume_request(args), notices=[notice] if notice else (),
+                      memory_plan=memory_plan(cfg, world_size) if cfg.train.plan_memory else None)
     trainer.train()
     # a scheduler requeues a preempted job; Ctrl-C is a person's stop (dufu.engine.resilience.preemption)
     code = exit_code(trainer.preempted) if trainer.preempted else 0
@@ -201,3 +202,16 @@ def launcher_args(args) -> list[str]:
     names = ("nnodes", "node_rank", "master_addr", "master_port", "rdzv_endpoint", "rdzv_id", "max_restarts")
     return [item for name in names if getattr(args, name) is not None
             for item in (f"--{name.replace('_', '-')}", str(getattr(args, name)))]
+
+
+def memory_plan(cfg, world_size: int):
+    """The planner's peak memory for this run, as the start-up summary and the end summary show it beside the
+    measured one: a function of the precision the run chose (dufu.engine.reporting.memory.planned_memory)."""
+    import functools
+
+    from dufu.engine.reporting.memory import planned_memory  # imports torch: not for --help
+    from dufu.parallel.env import pick_device
+    from dufu.plan.search import estimate_peak_memory
+
+    peak = functools.partial(estimate_peak_memory, device_type=pick_device().type)
+    return functools.partial(planned_memory, cfg, world_size, peak)

@@ -39,7 +39,7 @@ from dufu.engine.precision import agree, choose_precision
 from dufu.engine.preflight import model_to_split, plan_run
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
-from dufu.parallel.compile import decide_compile
+from dufu.parallel.compile import CompileWatch, decide_compile
 from dufu.parallel.context_parallel import build_context_parallel
 from dufu.parallel.launch import init_distributed
 from dufu.parallel.materialize import supports_meta_init
@@ -91,6 +91,8 @@ class Runtime:
         self.compile = decide_compile(t.compile.enabled, self.device, train_iter=t.train_iter,
                                       amp_dtype=self.amp_dtype)
         self.notices += [self.compile.notice] if self.compile.notice else []
+        # a hook of the loop: compilations after the first step are said and counted in the records
+        self.compile_watch = CompileWatch(on_recompile="warn") if self.compile.enabled else None
         # fp16 needs loss scaling (bf16 has fp32's range); the pipeline's loss function applies it, so it lives here
         self.scaler = DynamicLossScaler(**t.amp.loss_scaler) if self.amp_dtype == torch.float16 else None
         self.loss = GlobalBatchLoss(self, type(model).pipeline_loss)

@@ -230,6 +230,9 @@ class Train:
     fault_tolerance: FaultTolerance = field(default_factory=FaultTolerance)
     # Peak FLOP/s of one device for MFU, in TFLOP/s; None = data sheet (known GPUs) or a measured matmul (CPU).
     peak_tflops: Optional[float] = None
+    # The planner's peak memory per rank for this run (dufu.plan, a trace on fake tensors: ~0.5 s on rank 0 at
+    # start-up) in the start-up summary and beside the measured peaks in the end summary; false: not computed.
+    plan_memory: bool = True
     tensorboard: bool = True
     device: str = "auto"
     # Training-loop hooks: LazyCall nodes the trainer instantiates and registers at the loop's named points.

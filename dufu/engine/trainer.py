@@ -25,13 +25,14 @@ from dufu.config import LazyConfig, instantiate
 from dufu.data import ResumableBatchSampler
 from dufu.delta.base import base_fingerprint
 from dufu.engine import diagnose
-from dufu.engine.reporting import report
+from dufu.engine.reporting import memory, report
 from dufu.engine.resilience import fault_tolerance, faults
 from dufu.engine.batch import local_scalar
 from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.engine.weights.resume_checks import as_request, set_aside_later_checkpoints
 from dufu.engine.hooks import Hooks, RetryStep
 from dufu.engine.resilience.preemption import Preemption, clear_marker, write_marker
+from dufu.engine.precision import NAMES
 from dufu.engine.preflight import with_kwargs
 from dufu.engine.runtime import Runtime
 from dufu.engine.step_stats import StepRecord, StepStats, first_non_finite, first_non_finite_loss
@@ -58,8 +59,13 @@ class Trainer:
     :class:`~dufu.engine.weights.resume_checks.ResumeRequest` (a named checkpoint, settings allowed to change).
     ``hooks``: :class:`dufu.engine.hooks.Hook` objects, called after dufu's own and ``train.hooks``."""
 
-    def __init__(self, cfg, resume=False, log=print, notices=(), hooks=()):
+    def __init__(self, cfg, resume=False, log=print, notices=(), hooks=(), memory_plan=None):
+        start_rss = memory.process_rss_bytes()  # what the process held before the run was built
         self.runtime = rt = Runtime(cfg, resume, log=log, notices=notices)
+        memory.start_memory_history(rt.device)  # CUDA: the allocator's history, for a snapshot on out of memory
+        # memory_plan(dtype=...) -> PlannedMemory: the planner's peak for this run (the command line passes it:
+        # dufu.plan sits above the engine); shown beside the measured peaks
+        self.start_rss, self.memory_plan, self.planned_memory = start_rss, memory_plan, None
         self.resume_request = as_request(resume)
         self.cfg, self.log = cfg, rt.log
         t = cfg.train
@@ -79,7 +85,8 @@ class Trainer:
         self.preemption, self.preempted = Preemption(t.preemption.enabled, self.checkpointer), None  # SIGTERM/USR1/INT
         # dufu's own hooks first (the replica groups outermost: their step start comes first, their
         # after-points last), then the config's, then the caller's.
-        own = [fault_tolerance.replica_groups(self), faults.training_faults(), rt.moe if rt.moe else None]
+        own = [fault_tolerance.replica_groups(self), faults.training_faults(), rt.moe if rt.moe else None,
+               rt.compile_watch]
         self.hooks = Hooks([h for h in own if h is not None] + [instantiate(h) for h in t.hooks] + list(hooks))
 
     # the parts of the runtime most code reads through a trainer
@@ -249,11 +256,14 @@ class Trainer:
         this rank and step (another rank died or hangs) instead of a hang or a wall of traceback."""
         rt = self.runtime
         try:
-            if rt.world_size == 1:
-                return self._train()
-            with diagnose.collective_failures(rt.rank, lambda: self.activity, self.cfg.train.dist.timeout_minutes,
-                                              rt.health_group):
-                return self._train()
+            # an allocation failure names what held the memory and leaves a snapshot (dufu.engine.reporting.memory)
+            with memory.on_out_of_memory(rt.output_dir, rt.device, rt.rank, rt.model_parts, self.optimizers,
+                                         lambda: self.activity):
+                if rt.world_size == 1:
+                    return self._train()
+                with diagnose.collective_failures(rt.rank, lambda: self.activity,
+                                                  self.cfg.train.dist.timeout_minutes, rt.health_group):
+                    return self._train()
         finally:
             self.preemption.restore()  # Ctrl-C after the run (a notebook, a test process) is the caller's again
 
@@ -327,6 +337,8 @@ class Trainer:
             clear_marker(rt.output_dir)  # an earlier attempt's preemption is over
             LazyConfig.save(self.cfg, rt.output_dir / "config.yaml")
             rt.tokenizer.save(str(rt.output_dir / "tokenizer.json"))
+            if self.memory_plan is not None:
+                self.planned_memory = self.memory_plan(dtype=NAMES[rt.precision.dtype or torch.float32])
             self.log(self.describe())
         self.hooks.call("on_start", self)
 
@@ -352,7 +364,7 @@ class Trainer:
         return None
 
     def describe(self) -> str:
-        return report.describe(self.runtime)
+        return report.describe(self.runtime, planned=self.planned_memory)
 
     # ------------------------------------------------------------ checkpoints
     def trainer_state(self) -> dict:

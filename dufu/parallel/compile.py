@@ -13,12 +13,17 @@
   ``"error"``).
 * :func:`decide_compile` turns ``train.compile.enabled`` (True, False or "auto") into a decision and the sentence
   a run logs about it; "auto" compiles when the measured warm-up is paid back within the run (see
-  ``benchmarks/compile.py`` and its results for the numbers behind :data:`CPU_MEASURED`).
+  ``benchmarks/compile.py`` and its results for the numbers behind :data:`CPU_MEASURED`). On CUDA it first checks
+  what Triton needs to build kernels (:func:`compile_toolchain_problem`: triton, a C compiler, ``Python.h``):
+  where one is missing "auto" runs eager and says why, and ``True`` is refused with how to fix it.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import shutil
+import sysconfig
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -30,6 +35,7 @@ import torch._functorch.config  # torch-private: its caches have no public switc
 from torch import nn
 
 from dufu.cache import resolve_cache_dir
+from dufu.errors import ConfigError
 from dufu.parallel.parallelize_utils import transformer_blocks
 
 
@@ -94,7 +100,9 @@ class CompileWatch:
     ``steady()`` marks the end of the warm-up (e.g. after the first training step): a compilation after it is a
     recompile, reported with the guard that failed (``on_recompile``: "warn" - a warning naming it; "error" -
     raise :class:`RecompileError` at the next :meth:`check`; None - only count). Use as a context manager or
-    with :meth:`install` / :meth:`remove`.
+    with :meth:`install` / :meth:`remove`, or as a hook of the training loop (``on_start``, ``after_optimizer``,
+    ``on_end``): the warm-up ends after ``warmup_steps`` steps, and each later compilation is logged as one line
+    with its reason (``on_recompile="error"`` raises instead) and counted in :attr:`recompile_count`.
     """
 
     on_recompile: Optional[str] = "warn"
@@ -102,9 +110,11 @@ class CompileWatch:
     seconds: float = 0.0  # wall time inside them
     warmup_compiles: Optional[int] = None  # compilations before steady() (None: still warming up)
     recompiles: list = field(default_factory=list)  # guard-failure reasons of compilations after steady()
+    warmup_steps: int = 1  # as a hook: training steps whose compilations are the warm-up
     _started: Optional[float] = None
     _reasons_seen: dict = field(default_factory=dict)
     _reported: int = 0
+    _steps: int = 0
 
     def __post_init__(self):
         if self.on_recompile not in ("warn", "error", None):
@@ -133,6 +143,36 @@ class CompileWatch:
         self.remove()
         if exc[0] is None:
             self.check()
+
+    # ---- as a hook of the training loop (dufu.engine.hooks: the points are looked up by name, so this package
+    # does not import the engine). Install at the start, call the warm-up over after ``warmup_steps`` steps, log
+    # each later compilation as one line with its reason, and remove the callbacks at the end.
+    @property
+    def recompile_count(self) -> int:
+        """Compilations after the warm-up: the number a run's metrics record carries as ``recompiles``."""
+        return len(self.recompiles)
+
+    def on_start(self, trainer) -> None:
+        self.install()
+
+    def after_optimizer(self, trainer, loss: float, grad_norm: float) -> None:
+        self._steps += 1
+        if self.warmup_compiles is None:
+            if self._steps >= self.warmup_steps:
+                self.steady()
+            return
+        new = self.recompiles[self._reported:]
+        self._reported = len(self.recompiles)
+        for reason in new:
+            one_line = " ".join(reason.split())
+            trainer.log(f"step {trainer.step}: torch.compile recompiled ({one_line}); {self.recompile_count} "
+                        f"recompile(s) since the warm-up, after torch._dynamo.config.recompile_limit="
+                        f"{torch._dynamo.config.recompile_limit} the block runs eager")
+        if new and self.on_recompile == "error":
+            raise RecompileError(f"torch.compile recompiled after the warm-up: {' | '.join(new)}")
+
+    def on_end(self, trainer, summary: dict) -> None:
+        self.remove()
 
     def _start(self, args) -> None:
         self._started = time.perf_counter()
@@ -181,6 +221,52 @@ def _guard_failures_since(snapshot: dict) -> list[str]:
     from torch._dynamo.guards import guard_failures  # dynamo: ~1 s to import, when compiling only; private
 
     return [str(r) for code, reasons in guard_failures.items() for r in reasons[snapshot.get(code, 0):]]
+
+
+# ------------------------------------------------------------------------------------------ the GPU toolchain
+
+
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None  # found without importing it (~1 s)
+
+
+def c_compiler() -> Optional[str]:
+    """The C compiler Triton would build its kernel launchers with, or None: ``$CC``, else gcc, else clang, the
+    order of ``triton.runtime.build`` (triton 3.x). Looked up here, not by importing triton, so the check costs
+    nothing and runs where triton is missing too."""
+    cc = os.environ.get("CC")
+    if cc:
+        return shutil.which(cc) or (cc if os.path.isfile(cc) and os.access(cc, os.X_OK) else None)
+    return shutil.which("gcc") or shutil.which("clang")
+
+
+def python_include_dir() -> Path:
+    """Where Triton looks for ``Python.h``: the include path of sysconfig's default scheme (Debian's
+    ``posix_local`` read as ``posix_prefix``, as ``triton.runtime.build`` does)."""
+    scheme = sysconfig.get_default_scheme()
+    scheme = "posix_prefix" if scheme == "posix_local" else scheme
+    return Path(sysconfig.get_paths(scheme=scheme)["include"])
+
+
+def compile_toolchain_problem() -> Optional[str]:
+    """What torch.compile lacks to build CUDA kernels on this machine, or None when nothing is missing.
+
+    Inductor writes Triton kernels, and Triton compiles a small C launcher for each with the system's C compiler
+    and Python's headers: without them the first compiled step fails deep inside a worker. Checked at start-up
+    on CUDA only (on a CPU inductor's C++ path has its own errors; this machine has no GPU to verify more)."""
+    missing = []
+    if not _triton_installed():
+        missing.append("triton is not installed (CUDA builds of torch depend on it: pip install triton)")
+    cc = c_compiler()
+    if cc is None:
+        named = f"CC={os.environ['CC']} is not an executable, " if os.environ.get("CC") else ""
+        missing.append(f"no C compiler ({named}no gcc or clang on PATH; Triton builds its kernel launchers with one:"
+                       " install gcc, e.g. apt-get install gcc, or set CC)")
+    include = python_include_dir()
+    if not (include / "Python.h").is_file():
+        missing.append(f"no Python.h in {include} (Triton's launchers include Python's headers: install them, "
+                       f"e.g. apt-get install python{sysconfig.get_python_version()}-dev or python3-dev)")
+    return "; ".join(missing) or None
 
 
 # ------------------------------------------------------------------------------------------ "auto"
@@ -237,8 +323,23 @@ def decide_compile(enabled, device: torch.device, *, train_iter: int, amp_dtype:
     :data:`CPU_MEASURED`) is at least :data:`MIN_SPEEDUP` and, given ``step_seconds`` (an estimate of one eager
     step), when the run saves more than the first compilation costs: ``train_iter * step_seconds * (1 - 1 /
     speedup) > cold_s``. On other devices "auto" compiles: inductor's fused GPU kernels are what torch.compile is
-    built for, but dufu's machines have no GPU to measure it, so the summary says so."""
+    built for, but dufu's machines have no GPU to measure it, so the summary says so.
+
+    On CUDA, unless compile is off, the toolchain Triton needs is checked first
+    (:func:`compile_toolchain_problem`): where something is missing, "auto" runs eager with a notice saying what
+    and how to install it, and True is refused (:class:`~dufu.errors.ConfigError`) with the same and how to run
+    without compiling."""
     check_compile_setting(enabled)
+    if device.type == "cuda" and enabled is not False:
+        problem = compile_toolchain_problem()
+        if problem is not None and enabled is True:
+            raise ConfigError(f"train.compile.enabled=true, but torch.compile cannot build CUDA kernels on this "
+                              f"machine: {problem}. Install what is missing, or set train.compile.enabled=false "
+                              "(eager; auto also runs eager here and says why).")
+        if problem is not None:
+            return CompileDecision(False, f"off (auto): torch.compile cannot build CUDA kernels here ({problem})",
+                                   notice=f"torch.compile is off, the run is eager: {problem}. Install what is "
+                                          "missing to compile (train.compile.enabled=false silences this notice).")
     table = CPU_MEASURED if measured is None else measured
     m = table.get(amp_dtype) if device.type == "cpu" else None
     dtype_name = {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}.get(amp_dtype, str(amp_dtype))

@@ -19,26 +19,50 @@ the mean over the global batch's targets.
 Why an all-gather of K/V and not a ring (Megatron's ``--context-parallel-size`` passes K/V chunks around a ring,
 overlapping each hop with a block of attention): Llama 3 trained to 128K tokens with this all-gather form
 (Dubey et al. 2024, section 3.3.2); with grouped-query attention K and V are a small share of the activations,
-the all-gather is one collective per layer that every backend has (its backward is a reduce-scatter, gloo and
-NCCL alike), and attention stays one ``scaled_dot_product_attention`` call per local chunk, so the CPU and the
-GPU run the same algorithm on the same kernels. A ring needs each block's log-sum-exp to merge partial
-softmaxes, which SDPA does not return on the CPU; its overlap pays where a GPU's attention block takes longer
-than a hop, which this machine cannot measure. Each chunk attends only to the keys up to its end (``a + 1``
-chunks), so the masked upper blocks are not computed at all.
+the all-gather is one collective per tensor and layer that every backend has (its backward is a reduce-scatter,
+gloo and NCCL alike), and the CPU and the GPU run the same algorithm. A ring's overlap pays where a GPU's
+attention block takes longer than a hop, which this machine cannot measure.
+
+Kernels. Causal attention without a padding mask, bias or dropout (every decoder's training step) runs
+mask-free on every device :func:`causal_kernel` names (:class:`_CausalChunks`): each query chunk ``a`` makes
+two calls of a fused kernel that returns its log-sum-exp, one over the chunks before it (no mask) and one over
+its own chunk (square, causal), merged by their log-sum-exps; the masked upper blocks are not computed and no
+mask is built or kept for backward. The CPU takes ``_scaled_dot_product_flash_attention_for_cpu`` (proven here
+against one device); CUDA takes FlashAttention (``_scaled_dot_product_flash_attention``, fp16/bf16) or the
+memory-efficient kernel (``_scaled_dot_product_efficient_attention``, fp32, or where torch says this GPU cannot
+run flash) - the same merge and backward code with other ops, unverified on a GPU here. Everything else (a
+padding mask, a bias, attention dropout, other devices) takes the masked path: one ``scaled_dot_product_
+attention`` per chunk over the keys up to its end with a (chunk x keys) mask, whose kernel then skips no block.
+
+Overlap. A layer's K and V all-gathers are both issued before either is waited for (functional collectives
+return an AsyncCollectiveTensor; the wait comes when the values are needed), and in backward the reduce-scatters
+of dK and dV are both issued before either is waited for: on NCCL the two transfers queue back to back on the
+communication stream. What does not overlap: the attention of a layer waits for its gathered K and V (it needs
+every chunk before its own), and the next layer's all-gather cannot start early, because its K and V are
+computed from this layer's output. Hiding the gather behind the rank's own diagonal blocks (which need only
+local K and V) would change where their dK/dV are summed, and so the CPU's proven numbers; that is a ring's
+territory and left out.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Optional
+import dataclasses
+from typing import Callable, Optional, Union
 
 import torch
+import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._functional_collectives import all_gather_tensor, reduce_scatter_tensor
 
 from dufu.layers.attention import Attention
 from dufu.models.base import contract_of
+
+# torch 2.13 names the functional collectives ``all_gather_single``/``reduce_scatter_single`` and warns on the old
+# ``*_tensor`` names, which torch 2.11 (the GPU machines') still has alone.
+_HAS_SINGLE_COLLECTIVES = hasattr(funcol, "all_gather_single")
+_all_gather = funcol.all_gather_single if _HAS_SINGLE_COLLECTIVES else funcol.all_gather_tensor
+_reduce_scatter = funcol.reduce_scatter_single if _HAS_SINGLE_COLLECTIVES else funcol.reduce_scatter_tensor
 
 
 class ContextParallel:
@@ -53,8 +77,8 @@ class ContextParallel:
         self.positions = positions
         self._gather = gather  # tests: a stand-in for the all-gather
         self.active = True
-        # The mask-free causal kernel (_CausalChunks) where the device has it (the CPU); the planner's trace of a
-        # GPU step, which runs on fake CPU tensors, sets the device it stands for.
+        # The device whose causal kernel attention takes (causal_kernel), None for the tensors' own; the planner's
+        # trace of a GPU step, which runs on fake CPU tensors, sets the device it stands for.
         self.device_type: Optional[str] = None
 
     # ------------------------------------------------------------------------------------------------ layout
@@ -113,17 +137,25 @@ class ContextParallel:
     # ------------------------------------------------------------------------------------------------ attention
     def gather(self, x: torch.Tensor, dim: int) -> torch.Tensor:
         """All ranks' tokens of ``x`` along ``dim``, in sequence order; differentiable (the backward sums each
-        token's gradient from every rank's queries and returns it to the rank that holds the token)."""
-        parts = self._gather(x, dim) if self._gather is not None else _GatherSequence.apply(x, dim, self.group)
-        order = self.global_order(parts.shape[dim], x.device)
-        return parts.index_select(dim, order)
+        token's gradient from every rank's queries and returns it to the rank that holds it)."""
+        return self.gather_all((x,), dim)[0]
+
+    def gather_all(self, xs: tuple[torch.Tensor, ...], dim: int) -> tuple[torch.Tensor, ...]:
+        """:meth:`gather` of several tensors of the same tokens (K and V): every all-gather is issued before any
+        is waited for, and in backward every reduce-scatter before any is waited for."""
+        if self._gather is not None:
+            parts = tuple(self._gather(x, dim) for x in xs)
+        else:
+            parts = _GatherSequence.apply(dim, self.group, *xs)
+        order = self.global_order(parts[0].shape[dim], xs[0].device)
+        return tuple(p.index_select(dim, order) for p in parts)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
                   causal: bool, scale: Optional[float], dropout_p: float, enable_gqa: bool) -> torch.Tensor:
         """Attention of this rank's queries q (B, nh, T/cp, hs) over the whole sequence, from this rank's keys and
         values (B, nkv, T/cp, hs); ``attention_mask``: this rank's part of a (B, T) padding mask (1 = token) or of
         an additive (B|1, 1, 1, T) bias, or None."""
-        k, v = self.gather(k, 2), self.gather(v, 2)  # (B, nkv, T, hs)
+        k, v = self.gather_all((k, v), 2)  # (B, nkv, T, hs)
         Tl = q.shape[2]
         keep = bias = None
         if attention_mask is not None:
@@ -139,11 +171,14 @@ class ContextParallel:
         if not causal:
             mask = keep if keep is not None else bias
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+        kernel = None
+        if keep is None and bias is None and dropout_p == 0.0:
+            kernel = causal_kernel(self.device_type or q.device.type, q.dtype)
+        if kernel is not None and q.is_cuda:
+            kernel = _usable_on_this_gpu(kernel, q, k, v)
+        if kernel is not None:  # grouped-query K/V (fewer heads than q) are repeated inside, per call
+            return _CausalChunks.apply(q, k, v, self.chunk_ids(), scale, kernel)
         c, out = Tl // 2, []
-        if keep is None and bias is None and dropout_p == 0.0 and (self.device_type or q.device.type) == "cpu":
-            if enable_gqa and k.shape[1] != q.shape[1]:  # the kernel below takes as many K/V heads as queries
-                k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
-            return _CausalChunks.apply(q, k, v, self.chunk_ids(), scale)
         for j, a in enumerate(self.chunk_ids()):
             end = (a + 1) * c  # chunk a sees keys 0 .. end-1 (the chunks before it and itself, causally)
             qi = torch.arange(a * c, end, device=q.device)[:, None]  # (c, 1) global query positions
@@ -157,74 +192,203 @@ class ContextParallel:
         return torch.cat(out, dim=2)  # (B, nh, T/cp, hs)
 
 
+# ---------------------------------------------------------------------------------------------------- kernels
+Op = Union[str, Callable]  # an aten op's name, or (tests) a stand-in with its signature
+
+
+@dataclasses.dataclass(frozen=True)
+class FusedAttention:
+    """A fused attention kernel of torch that returns its log-sum-exp, and its backward: the two calls
+    :class:`_CausalChunks` makes per query chunk. ``forward(q, k, v, causal, scale)`` gives the output
+    (B, nh, M, hs), the log-sum-exp (B, nh, M) in fp32 and the kernel's state for its backward;
+    ``backward(grad, q, k, v, out, lse, state, causal, scale)`` gives dq, dk, dv. Dropout is always 0.
+    ``forward_op``/``backward_op``: names in ``torch.ops.aten``, or a test's stand-ins of the same signature."""
+
+    name: str
+    forward_op: Op
+    backward_op: Op
+
+    def op(self, which: Op) -> Callable:
+        return getattr(torch.ops.aten, which) if isinstance(which, str) else which
+
+    def forward(self, q, k, v, causal: bool, scale):
+        o, lse = self.op(self.forward_op)(q, k, v, 0.0, causal, scale=scale)
+        return o, lse, ()
+
+    def backward(self, grad, q, k, v, out, lse, state, causal: bool, scale):
+        return self.op(self.backward_op)(grad, q, k, v, out, lse, 0.0, causal, scale=scale)[:3]
+
+
+class _CudaFlash(FusedAttention):
+    """FlashAttention on CUDA: its backward takes the forward's sequence bookkeeping and RNG state back.
+    Unverified here (no GPU); the arguments follow the ops' schemas in torch 2.11 and 2.13."""
+
+    def forward(self, q, k, v, causal: bool, scale):
+        o, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = self.op(self.forward_op)(
+            q, k, v, 0.0, causal, False, scale=scale)
+        return o, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
+
+    def backward(self, grad, q, k, v, out, lse, state, causal: bool, scale):
+        cum_q, cum_k, max_q, max_k, seed, offset = state
+        return self.op(self.backward_op)(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed,
+                                         offset, scale=scale)[:3]
+
+
+class _CudaEfficient(FusedAttention):
+    """The memory-efficient kernel on CUDA: its log-sum-exp rows are padded to a multiple of 32 (so cut to the
+    queries for the merge and padded back for its backward). Unverified here (no GPU)."""
+
+    def forward(self, q, k, v, causal: bool, scale):
+        o, lse, seed, offset = self.op(self.forward_op)(q, k, v, None, True, 0.0, causal, scale=scale)
+        return o, lse[..., :q.shape[2]], (seed, offset, lse.shape[-1])
+
+    def backward(self, grad, q, k, v, out, lse, state, causal: bool, scale):
+        seed, offset, width = state
+        lse = F.pad(lse, (0, width - lse.shape[-1])).contiguous()  # (B, nh, width): the forward's layout
+        return self.op(self.backward_op)(grad, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False],
+                                         causal, scale=scale)[:3]
+
+
+CPU_FLASH = FusedAttention("cpu-flash", "_scaled_dot_product_flash_attention_for_cpu",
+                           "_scaled_dot_product_flash_attention_for_cpu_backward")
+CUDA_FLASH = _CudaFlash("cuda-flash", "_scaled_dot_product_flash_attention",
+                        "_scaled_dot_product_flash_attention_backward")
+CUDA_EFFICIENT = _CudaEfficient("cuda-efficient", "_scaled_dot_product_efficient_attention",
+                                "_scaled_dot_product_efficient_attention_backward")
+
+
+def causal_kernel(device_type: str, dtype: torch.dtype) -> Optional[FusedAttention]:
+    """The fused kernel of mask-free causal attention on ``device_type`` for ``dtype``, or None (the masked path):
+
+    =======  ====================  ===================================================================
+    device   dtype                 kernel
+    =======  ====================  ===================================================================
+    cpu      any                   ``_scaled_dot_product_flash_attention_for_cpu`` (:data:`CPU_FLASH`)
+    cuda     float16, bfloat16     ``_scaled_dot_product_flash_attention`` (:data:`CUDA_FLASH`)
+    cuda     float32 (and others)  ``_scaled_dot_product_efficient_attention`` (:data:`CUDA_EFFICIENT`)
+    other    any                   None
+    =======  ====================  ===================================================================
+
+    FlashAttention takes half precision only; fp32 on CUDA takes the memory-efficient kernel. On a real GPU
+    :func:`_usable_on_this_gpu` may still step down (flash -> efficient -> masked) where torch says the inputs or
+    the GPU do not suit a kernel."""
+    if device_type == "cpu":
+        return CPU_FLASH
+    if device_type == "cuda":
+        return CUDA_FLASH if dtype in (torch.float16, torch.bfloat16) else CUDA_EFFICIENT
+    return None
+
+
+def _usable_on_this_gpu(kernel: FusedAttention, q, k, v) -> Optional[FusedAttention]:
+    """``kernel`` or the next one down that torch's own SDPA dispatch checks accept for these CUDA tensors (GPU
+    generation, head size, dtype, kernels switched off with ``torch.backends.cuda.enable_*_sdp``), or None for the
+    masked path. Unverified here (no GPU). The kernels see K and V repeated to the query heads (_CausalChunks), so
+    the checks do too (a stride-0 view); the raw ops want a head size that is a multiple of 8, which SDPA pads to."""
+    if q.shape[-1] % 8:
+        return None
+    k, v = (t[:, :1].expand(-1, q.shape[1], -1, -1) for t in (k, v))  # (B, nh, T, hs), no copy
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False)
+    if kernel is CUDA_FLASH and torch.backends.cuda.can_use_flash_attention(params):
+        return kernel
+    return CUDA_EFFICIENT if torch.backends.cuda.can_use_efficient_attention(params) else None
+
+
 class _CausalChunks(torch.autograd.Function):
     """Causal attention of the rank's two query chunks (chunk ids ``a``) over the gathered keys, without a mask:
-    each chunk attends to the keys before it (no mask) and to its own chunk (square, causal), two fused-kernel
-    calls whose outputs merge by their log-sum-exps; the backward runs each call's kernel backward with the merged
-    output and log-sum-exp, which gives each part's exact gradients (the merge of ring attention, Liu et al.
-    2023). Why: a (chunk x keys) mask, which SDPA would otherwise need for a causal mask not aligned to the
-    top-left, is (2cp+1)(T/2cp)^2 values that each layer keeps for its backward (benchmarks/context_parallel.py
-    measured them at 83% of a rank's saved activations at T = 16K), and the kernel then skips no masked block.
-    CPU only: torch's fused CPU kernel returns its log-sum-exp through ``_scaled_dot_product_flash_attention_for_cpu``;
-    other devices take the masked path of :meth:`ContextParallel.attention`."""
+    each chunk attends to the keys before it (no mask) and to its own chunk (square, causal), two calls of a
+    fused ``kernel`` (:class:`FusedAttention`) whose outputs merge by their log-sum-exps; the backward runs each
+    call's kernel backward with the merged output and log-sum-exp, which gives each part's exact gradients (the
+    merge of ring attention, Liu et al. 2023). Why: a (chunk x keys) mask, which SDPA would otherwise need for a
+    causal mask not aligned to the top-left, is (2cp+1)(T/2cp)^2 values that each layer keeps for its backward
+    (benchmarks/context_parallel.py measured them at 83% of a rank's saved activations at T = 16K), and the
+    kernel then skips no masked block. The same code runs every device's kernel (:func:`causal_kernel`).
+    Grouped-query K and V (nkv < nh heads) are saved as they are and repeated to nh heads for each kernel call,
+    forward and backward (their gradients summed back over each group, as ``repeat_interleave``'s backward does):
+    the repeated copies live during the forward and again during the backward, not in between."""
 
     @staticmethod
-    def forward(ctx, q, k, v, chunk_ids, scale):
-        flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    def forward(ctx, q, k, v, chunk_ids, scale, kernel: FusedAttention):
         c = q.shape[2] // 2
-        outs, lses = [], []
+        kv = (k, v)  # (B, nkv, T, hs) as gathered: what is saved
+        k, v = _repeated(k, q), _repeated(v, q)  # (B, nh, T, hs)
+        outs, lses, states = [], [], []
         for j, a in enumerate(chunk_ids):
             qj = q[:, :, j * c:(j + 1) * c]
-            o, lse = flash(qj, k[:, :, a * c:(a + 1) * c], v[:, :, a * c:(a + 1) * c], 0.0, True, scale=scale)
+            o, lse, own = kernel.forward(qj, k[:, :, a * c:(a + 1) * c], v[:, :, a * c:(a + 1) * c], True, scale)
+            past = None
             if a > 0:  # the chunks before: every key visible
-                o_past, lse_past = flash(qj, k[:, :, :a * c], v[:, :, :a * c], 0.0, False, scale=scale)
-                merged = torch.logaddexp(lse, lse_past)  # (B, nh, c), fp32
-                o = ((lse - merged).exp()[..., None] * o.float()
-                     + (lse_past - merged).exp()[..., None] * o_past.float()).to(q.dtype)
+                o_past, lse_past, past = kernel.forward(qj, k[:, :, :a * c], v[:, :, :a * c], False, scale)
+                merged = torch.logaddexp(lse, lse_past)  # (B, nh, c), fp32 (fp64 for fp64)
+                acc = torch.promote_types(q.dtype, torch.float32)  # half precision merges in fp32
+                o = ((lse - merged).exp()[..., None] * o.to(acc)
+                     + (lse_past - merged).exp()[..., None] * o_past.to(acc)).to(q.dtype)
                 lse = merged
             outs.append(o)
             lses.append(lse)
-        ctx.chunk_ids, ctx.scale = tuple(chunk_ids), scale
-        ctx.save_for_backward(q, k, v, *outs, *lses)
+            states.append((own, past))
+        ctx.chunk_ids, ctx.scale, ctx.kernel, ctx.states = tuple(chunk_ids), scale, kernel, states
+        ctx.save_for_backward(q, *kv, *outs, *lses)
         return torch.cat(outs, dim=2)  # (B, nh, 2c, hs)
 
     @staticmethod
     def backward(ctx, grad):
-        backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-        q, k, v, o0, o1, lse0, lse1 = ctx.saved_tensors
+        kernel, scale = ctx.kernel, ctx.scale
+        q, k0, v0, o0, o1, lse0, lse1 = ctx.saved_tensors
         c = q.shape[2] // 2
+        k, v = _repeated(k0, q), _repeated(v0, q)  # (B, nh, T, hs)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for j, (a, o, lse) in enumerate(zip(ctx.chunk_ids, (o0, o1), (lse0, lse1))):
+        for j, (a, o, lse, (own_state, past_state)) in enumerate(zip(ctx.chunk_ids, (o0, o1), (lse0, lse1),
+                                                                     ctx.states)):
             rows = slice(j * c, (j + 1) * c)
             g, qj = grad[:, :, rows].contiguous(), q[:, :, rows]
             own = slice(a * c, (a + 1) * c)
-            gq, gk, gv = backward(g, qj, k[:, :, own], v[:, :, own], o, lse, 0.0, True, scale=ctx.scale)
+            gq, gk, gv = kernel.backward(g, qj, k[:, :, own], v[:, :, own], o, lse, own_state, True, scale)
             dq[:, :, rows] += gq
             dk[:, :, own] += gk
             dv[:, :, own] += gv
             if a > 0:
                 past = slice(0, a * c)
-                gq, gk, gv = backward(g, qj, k[:, :, past], v[:, :, past], o, lse, 0.0, False, scale=ctx.scale)
+                gq, gk, gv = kernel.backward(g, qj, k[:, :, past], v[:, :, past], o, lse, past_state, False, scale)
                 dq[:, :, rows] += gq
                 dk[:, :, past] += gk
                 dv[:, :, past] += gv
-        return dq, dk, dv, None, None
+        return dq, _summed(dk, k0), _summed(dv, v0), None, None, None
 
 
+def _repeated(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """Grouped-query K or V (B, nkv, T, hs) repeated to q's nh heads (each K/V head serves nh / nkv queries)."""
+    return t if t.shape[1] == q.shape[1] else t.repeat_interleave(q.shape[1] // t.shape[1], dim=1)
+
+
+def _summed(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The gradient of :func:`_repeated`: (B, nh, T, hs) summed over each group back to t's (B, nkv, T, hs)."""
+    return grad if grad.shape[1] == t.shape[1] else grad.unflatten(1, (t.shape[1], -1)).sum(2)
+
+
+# ---------------------------------------------------------------------------------------------------- gather
 class _GatherSequence(torch.autograd.Function):
-    """All-gather along ``dim`` (ranks' parts in rank order); backward: reduce-scatter of the gradient, so each
-    rank gets the sum over all ranks' uses of its own part. Written as a Function around torch's functional
-    collectives (not their autograd variant) so that selective activation checkpointing, which keeps the
-    collectives' outputs (dufu.parallel.activation_checkpoint), replays the forward with the same saved tensors."""
+    """All-gather of each tensor of ``xs`` along ``dim`` (ranks' parts in rank order); backward: reduce-scatter of
+    each gradient, so each rank gets the sum over all ranks' uses of its own part. Every collective is issued
+    before the first is waited for: the all-gathers run along dim 0 (an un-waited AsyncCollectiveTensor; along
+    another dim torch waits at once to reorder) and are reordered after the waits. Written as a Function around
+    torch's functional collectives (not their autograd variant) so that selective activation checkpointing, which
+    keeps the collectives' outputs (dufu.parallel.activation_checkpoint), replays the forward with the same saved
+    tensors."""
 
     @staticmethod
-    def forward(ctx, x, dim, group):
+    def forward(ctx, dim, group, *xs):
         ctx.dim, ctx.group = dim, group
-        return _waited(all_gather_tensor(x.contiguous(), dim, group))
+        pending = [_all_gather(x.contiguous(), 0, group) for x in xs]  # (cp x ..., ...) each, in flight
+        out = []
+        for x, part in zip(xs, pending):
+            part = _waited(part)
+            out.append(torch.cat(torch.chunk(part, part.shape[0] // x.shape[0], dim=0), dim=dim) if dim else part)
+        return tuple(out)
 
     @staticmethod
-    def backward(ctx, grad):
-        return _waited(reduce_scatter_tensor(grad.contiguous(), "sum", ctx.dim, ctx.group)), None, None
+    def backward(ctx, *grads):
+        pending = [_reduce_scatter(g.contiguous(), "sum", ctx.dim, ctx.group) for g in grads]
+        return (None, None, *(_waited(p) for p in pending))
 
 
 def _waited(t: torch.Tensor) -> torch.Tensor:

@@ -10,8 +10,8 @@ real ones do), and the fake batch is cut by its own ``shard_batch``. So, as they
 * every per-token tensor (embeddings, projections, MLP, norms, logits and the loss) has ``T / cp`` tokens;
 * each attention layer holds the gathered K and V, (B, nkv, T, hs) in sequence order, kept by the chunks'
   attention for backward, and per local chunk ``a`` attention over the keys up to its end (c = T / (2 cp)): the
-  FLOPs of (a + 1) of the 2 cp key chunks, the masked upper blocks not computed; on a GPU with a (c, (a + 1) c)
-  mask per chunk and layer, on a CPU without one (the chunked fused kernel), as the run does;
+  FLOPs of (a + 1) of the 2 cp key chunks, the masked upper blocks not computed; without a mask on a CPU or a GPU
+  (the mask-free fused kernels), as the run does;
 * full activation checkpointing gathers again when it recomputes a block; selective checkpointing keeps the
   gathered K and V (the collectives' outputs) instead.
 
@@ -81,6 +81,6 @@ def split_for_context_parallel(model: nn.Module, inputs: dict, cp: int, device: 
     """Give the fake ``model`` rank 0's ContextParallel of ``cp`` ranks, its all-gather stood in for
     (:class:`_Gathered`); return rank 0's share of the fake batch ``inputs``."""
     context = ContextParallel(None, cp, 0, gather=lambda x, dim: _Gathered.apply(x, dim, cp))
-    context.device_type = device  # the attention path of the device planned for (masked on GPUs, chunked on CPUs)
+    context.device_type = device  # the attention path of the device planned for (the fused kernel of the device planned for)
     apply_context_parallel(model, context)
     return context.shard_batch(inputs)

@@ -216,12 +216,7 @@ def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_
     model_flops = info.flops_per_token * tokens
     peak = hw.peak(setup.dtype, details["threads_per_process"])
     limit = _memory_limit(hw, world_size)
-    memory = {k: int(round(worst.breakdown.get(k, 0.0))) for k in KEYS}
-    for k in KEYS:  # a part freed by another part's events (stage boundaries) can read a few bytes below zero
-        if memory[k] < 0:
-            memory["temporaries"] += memory[k]
-            memory[k] = 0
-    memory["temporaries"] = max(memory["temporaries"], 0)
+    memory = _memory_parts(worst)
     per_gpu = sum(memory.values())
     est = Estimate(
         layout=_layout_dict(layout), memory=memory, memory_per_gpu_bytes=per_gpu, time=times, step_time_s=step,
@@ -249,6 +244,42 @@ def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_
         est.notes.append(f"context parallelism: traced as rank 0 of {layout.context_parallel_size} (T / cp tokens, "
                          "the whole K and V gathered per layer); its all-gathers and reduce-scatters are not overlapped")
     return est
+
+
+def _memory_parts(worst) -> dict:
+    """The peak's bytes by part (KEYS)."""
+    memory = {k: int(round(worst.breakdown.get(k, 0.0))) for k in KEYS}
+    for k in KEYS:  # a part freed by another part's events (stage boundaries) can read a few bytes below zero
+        if memory[k] < 0:
+            memory["temporaries"] += memory[k]
+            memory[k] = 0
+    memory["temporaries"] = max(memory["temporaries"], 0)
+    return memory
+
+
+@dataclass
+class PeakMemory:
+    """The per-rank peak of a layout alone (no step time, no device figures): what a running job puts beside its
+    measured peak (dufu.engine.reporting.memory.planned_memory)."""
+
+    memory_per_gpu_bytes: int
+    peak_where: str
+    memory_by_rank: list
+
+
+def estimate_peak_memory(cfg, world_size: int, device_type: str = "cpu") -> PeakMemory:
+    """:func:`estimate`'s memory alone, for a config whose ``train.amp.enabled`` names its precision (a running job
+    knows it): no device is measured, and the timing model is not calibrated (about half of estimate()'s cost)."""
+    info = model_info(cfg)
+    setup = setup_from_config(cfg, None)
+    layout = layout_from_config(cfg, world_size)
+    check_layout(info, cfg, layout)
+    asynchronous = device_type == "cuda"
+    trace = get_trace(info, setup.dtype, layout.activation_checkpoint or None, "cuda" if asynchronous else "cpu",
+                      layout.expert_parallel_size, layout.context_parallel_size)
+    worst, ranks = estimate_memory(info, trace, layout, setup, asynchronous=asynchronous)
+    where = f"pipeline rank {worst.rank}, {worst.where}" if layout.pipeline_parallel_size > 1 else worst.where
+    return PeakMemory(sum(_memory_parts(worst).values()), where, [int(r.peak) for r in ranks])
 
 
 def _layout_dict(layout: Layout) -> dict:

@@ -36,6 +36,7 @@ COMMON = (
     "train.generation.enabled=False",
     "train.peak_tflops=1.0",
     "train.log_period=1",
+    "train.plan_memory=False",
 )
 
 # name -> (processes, overrides). Every size is given, so a layout override replaces the one in a

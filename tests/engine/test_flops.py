@@ -219,3 +219,63 @@ def test_a_runs_mfu_basis_is_a_quiet_peak_or_says_it_is_not(debug_run):
         assert table[flops._key(CPU, rt.amp_dtype or torch.float32)]["flop_s"] >= rt.peak_flops
     else:
         assert UNDER_LOAD in rt.peak_source, rt.peak_source
+
+
+@pytest.mark.parametrize("name,bf16,fp32,source", [
+    ("NVIDIA H100 NVL", 835.5, 60.0, "H100 NVL"),
+    ("NVIDIA H100 80GB HBM3", 989.5, 67.0, "H100 SXM"),
+    ("NVIDIA H100 PCIe", 756.5, 51.0, "H100 PCIe"),
+    ("NVIDIA H800", 989.5, 67.0, "H800 SXM"),
+    ("NVIDIA H800 PCIe", 756.5, 51.0, "H800 PCIe"),
+    ("NVIDIA H200", 989.5, 67.0, "H200 SXM"),
+    ("NVIDIA H200 NVL", 835.5, 60.0, "H200 NVL"),
+    ("NVIDIA GH200 480GB", 989.5, 67.0, "GH200"),
+    ("NVIDIA B200", 2250.0, 75.0, "HGX B200"),
+    ("NVIDIA GB200", 2500.0, 80.0, "GB200 NVL72"),
+    ("NVIDIA A100-SXM4-80GB", 312.0, 19.5, "A100"),
+    ("NVIDIA A100 80GB PCIe", 312.0, 19.5, "A100"),
+    ("NVIDIA A100-PCIE-40GB", 312.0, 19.5, "A100"),
+    ("NVIDIA A10", 125.0, 31.2, "A10 data sheet"),
+    ("NVIDIA A10G", 70.0, 31.2, "A10G"),
+    ("NVIDIA L4", 121.0, 30.3, "L4 data sheet"),
+    ("NVIDIA L40S", 362.05, 91.6, "L40S"),
+    ("NVIDIA L40", 181.05, 90.5, "L40 data sheet"),
+    ("NVIDIA GeForce RTX 4090", 165.2, 82.6, "Ada"),
+    ("Tesla V100-SXM2-16GB", 125.0, 15.7, "V100 SXM2"),
+    ("Tesla T4", 65.0, 8.1, "T4"),
+])
+def test_a_gpu_name_maps_to_its_dense_data_sheet_peak(name, bf16, fp32, source):
+    """Names as torch.cuda.get_device_name gives them; the most specific entry wins ("H100 NVL" is not an H100
+    SXM, "A10" is neither "A100" nor "A10G", "GB200" is not "B200"); every figure is dense (half the sparse one)."""
+    peak, where = flops.gpu_peak_tflops(name, torch.bfloat16)
+    assert peak == bf16 and source in where and name in where and "dense" in where
+    assert flops.gpu_peak_tflops(name, torch.float16)[0] == bf16
+    assert flops.gpu_peak_tflops(name, torch.float32)[0] == fp32  # TF32 off: torch's default
+    entry = flops.gpu_peak(name)
+    tf32 = flops.gpu_peak_tflops(name, torch.float32, tf32=True)[0]
+    assert tf32 == (entry.tf32 if entry.tf32 is not None else fp32)
+
+
+def test_every_table_entry_is_reachable_and_sourced():
+    """No entry hides behind an earlier, less specific one, and each names its data sheet."""
+    for entry in flops.GPU_PEAKS:
+        name = " ".join(["NVIDIA", entry.model, *entry.variant])
+        assert flops.gpu_peak(name) is entry, name
+        assert entry.source and entry.bf16 > entry.fp32 > 0
+
+
+def test_an_unknown_gpu_reports_no_mfu_unless_a_peak_is_given(fresh, monkeypatch):
+    """A CUDA device missing from the table gets no measured peak (a small matmul would overstate MFU): the peak
+    is None and the sentence says why and that train.peak_tflops sets it."""
+    assert flops.gpu_peak_tflops("NVIDIA RTX PRO 6000 Blackwell", torch.bfloat16) is None
+    assert flops.gpu_peak_tflops("NVIDIA H20", torch.bfloat16) is None  # not an H200, not an H100
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Some Future GPU")
+    monkeypatch.setattr(flops, "measure_matmuls", lambda *a, **k: pytest.fail("a GPU peak was measured"))
+    peak, source = flops.device_peak_flops(gpu, torch.bfloat16)
+    assert peak is None and source.startswith("n/a: NVIDIA Some Future GPU") and "train.peak_tflops" in source
+    assert flops.device_peak_flops(gpu, torch.bfloat16, override_tflops=400.0)[0] == 400e12
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 NVL")
+    assert flops.device_peak_flops(gpu, torch.bfloat16) == (835.5e12, flops.gpu_peak_tflops("NVIDIA H100 NVL",
+                                                                                              torch.bfloat16)[1])
+    assert cached(fresh) == {}

@@ -5,8 +5,10 @@
   and :class:`CompileWatch` both armed); the compiled code lands in dufu's cache directory.
 * A whole ``dufu train`` run with ``train.compile.enabled=True`` compiles exactly one forward and one backward
   graph for its blocks and never recompiles.
-* A recompile is reported with the guard that failed; the cache directory follows ``DUFU_CACHE_DIR`` unless
-  the user set ``TORCHINDUCTOR_CACHE_DIR``; ``decide_compile`` says what it decided and why.
+* A recompile after the warm-up is logged (as a hook of the loop) with the guard that failed and counted; on
+  CUDA a missing C compiler or Python.h turns "auto" eager with a notice and refuses True; the cache directory
+  follows ``DUFU_CACHE_DIR`` unless the user set ``TORCHINDUCTOR_CACHE_DIR``; ``decide_compile`` says what it
+  decided and why.
 * On 2 processes, compiled layouts with activation checkpointing (tensor parallel, ZeRO-3) match one process:
   through the trainer (tests/parity.py) and, for selective checkpointing, through this package's functions.
 """
@@ -83,21 +85,33 @@ def test_a_training_run_compiles_each_graph_once(fresh_dynamo, train_run):
 
 
 def test_a_recompile_is_reported_with_its_reason(fresh_dynamo):
+    """As a hook of the loop (how a run installs it): the first step's compilations are the warm-up; a later one is
+    logged as one line with the guard that failed and counted (the run record's ``recompiles``)."""
+    import types
+
     from dufu.parallel.compile import CompileWatch, RecompileError, apply_compile
 
     model = apply_compile(tiny_gpt())
     x, y = batch()
-    watch = CompileWatch(on_recompile="error").install()
+    lines = []
+    trainer = types.SimpleNamespace(step=0, log=lines.append)  # what the hook points read of a Trainer
+    watch = CompileWatch(on_recompile="warn")
+    watch.on_start(trainer)
     try:
-        model(x, shift_labels=y).loss.backward()
-        watch.steady()
-        model(x[:2], shift_labels=y[:2]).loss.backward()  # another batch size: a guard fails
+        for rows in (4, 4, 2):  # the third step has another batch size: a guard fails
+            model(x[:rows], shift_labels=y[:rows]).loss.backward()
+            trainer.step += 1
+            watch.after_optimizer(trainer, 0.0, 0.0)
     finally:
-        watch.remove()
+        watch.on_end(trainer, {})
     assert watch.recompiles and "size mismatch" in watch.recompiles[0], watch.recompiles
+    assert watch.recompile_count == len(watch.recompiles) == len(lines)
+    assert lines[0].startswith("step 3: torch.compile recompiled (") and "size mismatch" in lines[0]
+    assert "\n" not in lines[0]
+    error = CompileWatch(on_recompile="error", recompiles=watch.recompiles[:1])
     with pytest.raises(RecompileError, match="recompiled 1 time.*size mismatch"):
-        watch.check()
-    watch.check()  # reported once
+        error.check()
+    error.check()  # reported once
     with pytest.warns(UserWarning, match="recompiled"):
         CompileWatch(on_recompile="warn", recompiles=["x"]).check()
 
@@ -127,7 +141,7 @@ def test_bad_input_is_a_clear_error():
         CompileWatch(on_recompile="loud")
 
 
-def test_auto_decides_from_the_measurements_and_says_why():
+def test_auto_decides_from_the_measurements_and_says_why(toolchain):
     from dufu.parallel.compile import CompileMeasurement, decide_compile
 
     cpu = torch.device("cpu")
@@ -141,6 +155,7 @@ def test_auto_decides_from_the_measurements_and_says_why():
     assert decide_compile("auto", cpu, train_iter=3000, step_seconds=0.1, measured=faster).enabled
     off = decide_compile("auto", cpu, train_iter=400, measured={})  # nothing measured for this dtype
     assert not off.enabled and "have not measured faster" in off.reason
+    toolchain(cc="/usr/bin/gcc", python_h=True, triton=True)
     assert decide_compile("auto", torch.device("cuda"), train_iter=10, measured=slower).enabled  # not a CPU
     # explicit settings are obeyed; compiling where it measured slower gets a notice
     forced = decide_compile(True, cpu, train_iter=400, measured=slower)
@@ -151,6 +166,56 @@ def test_auto_decides_from_the_measurements_and_says_why():
         decide_compile("yes", cpu, train_iter=400)
     with pytest.raises(ValueError):
         decide_compile(1, cpu, train_iter=400)
+
+
+@pytest.fixture
+def toolchain(monkeypatch, tmp_path):
+    """Make the machine have, or lack, what Triton builds kernels with: a C compiler on PATH (shutil.which),
+    Python.h in sysconfig's include directory, triton installed."""
+    from dufu.parallel import compile as compile_module
+
+    def make(cc=None, python_h=True, triton=True):
+        monkeypatch.delenv("CC", raising=False)
+        monkeypatch.setattr("shutil.which", lambda name, *a, **k: cc if name in ("gcc", "clang") else None)
+        include = tmp_path / "include"
+        include.mkdir(exist_ok=True)
+        (include / "Python.h").unlink(missing_ok=True)
+        if python_h:
+            (include / "Python.h").write_text("")
+        monkeypatch.setattr("sysconfig.get_paths", lambda *a, **k: {"include": str(include)})
+        monkeypatch.setattr(compile_module, "_triton_installed", lambda: triton)
+        return include
+
+    return make
+
+
+def test_a_missing_gpu_toolchain_turns_auto_off_and_refuses_true(toolchain):
+    """On CUDA the start-up checks what Triton needs: without a C compiler or Python.h, "auto" runs eager with a
+    notice saying what is missing and how to install it; True is refused with the same and the way out."""
+    from dufu.errors import ConfigError
+    from dufu.parallel.compile import CompileDecision, compile_toolchain_problem, decide_compile
+
+    cuda = torch.device("cuda")
+    toolchain(cc="/usr/bin/gcc")
+    assert compile_toolchain_problem() is None and decide_compile("auto", cuda, train_iter=10).enabled
+
+    toolchain(cc=None)  # no gcc, no clang, no CC
+    problem = compile_toolchain_problem()
+    assert "no C compiler" in problem and "install gcc" in problem and "Python.h" not in problem
+    auto = decide_compile("auto", cuda, train_iter=10)
+    assert not auto.enabled and auto.reason.startswith("off (auto)") and "no C compiler" in auto.reason
+    assert "the run is eager" in auto.notice and "install gcc" in auto.notice
+    with pytest.raises(ConfigError, match="train.compile.enabled=true.*no C compiler.*train.compile.enabled=false"):
+        decide_compile(True, cuda, train_iter=10)
+    assert decide_compile(False, cuda, train_iter=10) == CompileDecision(False, "off (train.compile.enabled=false)")
+
+    include = toolchain(cc="/usr/bin/clang", python_h=False)
+    auto = decide_compile("auto", cuda, train_iter=10)
+    assert not auto.enabled and f"no Python.h in {include}" in auto.notice and "-dev" in auto.notice
+    toolchain(cc="/usr/bin/gcc", triton=False)
+    assert "pip install triton" in decide_compile("auto", cuda, train_iter=10).notice
+    # the CPU is not checked: its decision stays the measured one
+    assert decide_compile("auto", torch.device("cpu"), train_iter=10, measured={}).notice is None
 
 
 # ------------------------------------------------------------------------------------------ two processes

@@ -1,21 +1,28 @@
-"""Context parallelism's parts: the load-balanced layout, splitting a batch, attention over the gathered keys and
-values against one device (several processes), and the start-up refusals with their arithmetic."""
+"""Context parallelism's parts: the load-balanced layout, splitting a batch, the mask-free causal kernel of each device
+(its merge and backward against plain causal attention, the CUDA kernels' plumbing on stand-ins and meta tensors), K
+and V in flight together, attention over the gathered keys and values against one device (several processes), and
+the start-up refusals with their arithmetic."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import launch
 from dufu.engine.preflight import preflight
 from dufu.errors import LayoutError
-from dufu.parallel.context_parallel import ContextParallel
+from dufu.parallel import context_parallel
+from dufu.parallel.context_parallel import (CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, ContextParallel, _CausalChunks,
+                                           causal_kernel)
 from dufu.parallel.parallel_dims import ParallelDims
 from dufu_testing import load_config
 
 CP = "train.dist.context_parallel_size"
+SDPA = F.scaled_dot_product_attention  # the reference, kept where a test takes the masked path away
 
 
 def test_each_rank_holds_chunk_r_and_its_mirror():
@@ -111,3 +118,189 @@ def test_attention_over_chunks_equals_one_device(tmp_path, nproc=4):
     for rank, worst in enumerate(json.loads((tmp_path / "errors.json").read_text())):
         for case, err in worst.items():
             assert err < 1e-5, f"cp{nproc} rank {rank} {case}: largest error {err}"
+
+
+# ------------------------------------------------------------------------------------- the mask-free causal kernel
+def test_each_device_and_dtype_gets_its_kernel():
+    assert causal_kernel("cpu", torch.float32) is CPU_FLASH and causal_kernel("cpu", torch.bfloat16) is CPU_FLASH
+    assert causal_kernel("cuda", torch.bfloat16) is CUDA_FLASH and causal_kernel("cuda", torch.float16) is CUDA_FLASH
+    assert causal_kernel("cuda", torch.float32) is CUDA_EFFICIENT  # FlashAttention takes half precision only
+    assert causal_kernel("mps", torch.float32) is None and causal_kernel("xpu", torch.bfloat16) is None
+    for kernel in (CPU_FLASH, CUDA_FLASH, CUDA_EFFICIENT):  # every op exists in this build's aten
+        assert kernel.op(kernel.forward_op) is not None and kernel.op(kernel.backward_op) is not None
+
+
+def one_rank_of_two(q, k, v, rank, **kw):
+    """Rank ``rank``'s attention of cp 2 over the whole (B, nh, T, hs) q, k, v: its tokens cut out, the all-gather
+    stood in for by the whole tensors' tokens in rank order (what the ranks' all-gather returns)."""
+    T, whole = q.shape[2], {}
+    cp = ContextParallel(None, 2, rank, gather=lambda x, dim: torch.cat(
+        [whole[id(x)][:, :, ContextParallel(None, 2, r).token_index(T)] for r in range(2)], dim))
+    own = cp.token_index(T)
+    kr, vr = k[:, :, own], v[:, :, own]
+    whole.update({id(kr): k, id(vr): v})
+    return own, cp.attention(q[:, :, own], kr, vr, None, True, None, 0.0, **kw)
+
+
+def causal_reference_and_split(dtype, kv_heads=4, kernel=None):
+    """Outputs and q/k/v gradients of plain causal SDPA and of cp 2's two ranks (their losses summed, as the
+    all-gather's backward sums them), for the same loss sum(y * w). ``kernel``: run _CausalChunks with it."""
+    torch.manual_seed(0)
+    B, nh, T, hs = 2, 4, 16, 8
+    q = torch.randn(B, nh, T, hs, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(B, kv_heads, T, hs, dtype=dtype, requires_grad=True) for _ in range(2))
+    w = torch.randn(B, nh, T, hs, dtype=dtype)
+    gqa = kv_heads != nh
+    ref = SDPA(q, k, v, is_causal=True, enable_gqa=gqa)
+    ref_grads = torch.autograd.grad((ref * w).sum(), (q, k, v))
+    ys, loss = torch.empty_like(ref), 0
+    for rank in range(2):
+        if kernel is None:
+            own, y = one_rank_of_two(q, k, v, rank, enable_gqa=gqa)
+        else:
+            own = ContextParallel(None, 2, rank).token_index(T)
+            y = _CausalChunks.apply(q[:, :, own], k, v, ContextParallel(None, 2, rank).chunk_ids(), None, kernel)
+        ys[:, :, own] = y.detach()
+        loss = loss + (y * w[:, :, own]).sum()
+    return (ref.detach(), *ref_grads), (ys, *torch.autograd.grad(loss, (q, k, v)))
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_mask_free_causal_chunks_equal_causal_attention(kv_heads, monkeypatch):
+    """fp64, so that merging two partial softmaxes must agree with one softmax to 1e-12, and not by luck; the
+    masked path (a mask per chunk and SDPA) is never taken."""
+    monkeypatch.setattr(F, "scaled_dot_product_attention", None)
+    expected, got = causal_reference_and_split(torch.float64, kv_heads)
+    for name, a, b in zip(("output", "dq", "dk", "dv"), expected, got):
+        assert (a - b).abs().max().item() < 1e-12, name
+
+
+def _cpu_standins():
+    """Stand-ins with the CUDA ops' signatures and output layouts (checked against the real schemas by
+    test_cuda_kernels_match_the_ops_schemas) that compute with the CPU kernel: the efficient kernel's stand-in pads
+    its log-sum-exp to 32 rows with NaN, so a merge that read the padding would show."""
+    cpu_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    cpu_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+    calls = []
+
+    def flash(q, k, v, dropout_p, is_causal, return_debug_mask, scale=None):
+        assert dropout_p == 0.0 and not return_debug_mask
+        o, lse = cpu_fwd(q, k, v, dropout_p, is_causal, scale=scale)
+        seed, offset = torch.tensor([len(calls), 0]), torch.tensor(0)
+        calls.append(("flash", q.shape[2], k.shape[2], is_causal))
+        return o, lse, None, None, q.shape[2], k.shape[2], seed, offset, torch.empty(0)
+
+    def flash_backward(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, dropout_p, is_causal, seed, offset,
+                       scale=None):
+        assert (cum_q, cum_k, max_q, max_k) == (None, None, q.shape[2], k.shape[2]), "another call's state"
+        assert calls[int(seed[0])] == ("flash", q.shape[2], k.shape[2], is_causal), "another call's RNG state"
+        return cpu_bwd(grad, q, k, v, out, lse, dropout_p, is_causal, scale=scale)
+
+    def efficient(q, k, v, attn_bias, compute_log_sumexp, dropout_p, is_causal, scale=None):
+        assert attn_bias is None and compute_log_sumexp and dropout_p == 0.0
+        o, lse = cpu_fwd(q, k, v, dropout_p, is_causal, scale=scale)
+        pad = -q.shape[2] % 32 or 32
+        return o, F.pad(lse, (0, pad), value=float("nan")), torch.tensor(0), torch.tensor(0)
+
+    def efficient_backward(grad, q, k, v, attn_bias, out, lse, seed, offset, dropout_p, grad_input_mask, is_causal,
+                           scale=None):
+        assert attn_bias is None and list(grad_input_mask) == [True, True, True, False]
+        assert lse.shape[-1] % 32 == 0 and lse.shape[-1] > q.shape[2], "the kernel's padded layout"
+        return (*cpu_bwd(grad, q, k, v, out, lse[..., :q.shape[2]], dropout_p, is_causal, scale=scale), None)
+
+    return (dataclasses.replace(CUDA_FLASH, forward_op=flash, backward_op=flash_backward),
+            dataclasses.replace(CUDA_EFFICIENT, forward_op=efficient, backward_op=efficient_backward))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_route_runs_the_cpu_merge_and_backward(dtype):
+    """The CUDA kernels' adapters, given stand-ins that compute with the CPU kernel, give the CPU route's outputs
+    and gradients: the merge and the backward are one code, only the ops' plumbing differs. Flash bit for bit; the
+    efficient kernel's log-sum-exp comes in another memory layout (padded rows), which moves elementwise results
+    by an ulp or two (measured: 8e-8 of the largest value in fp32), where a read of its NaN padding would be NaN."""
+    cpu = causal_reference_and_split(dtype, kernel=CPU_FLASH)[1]
+    flash, efficient = _cpu_standins()
+    for kernel, rel in ((flash, 0), (efficient, 1e-6)):
+        got = causal_reference_and_split(dtype, kernel=kernel)[1]
+        for name, a, b in zip(("output", "dq", "dk", "dv"), cpu, got):
+            assert (a.float() - b.float()).abs().max().item() <= rel * a.float().abs().max().item(), \
+                f"{kernel.name} {name}"
+    expected = causal_reference_and_split(dtype, kernel=CPU_FLASH)[0]
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # relative to the largest value; bf16 keeps 8 bits
+    for name, a, b in zip(("output", "dq", "dk", "dv"), expected, cpu):
+        assert (a.float() - b.float()).abs().max().item() < tol * a.float().abs().max().item(), name
+
+
+@pytest.mark.parametrize("kernel, dtype", [(CUDA_FLASH, torch.bfloat16), (CUDA_EFFICIENT, torch.float32)])
+def test_cuda_kernels_match_the_ops_schemas(kernel, dtype):
+    """The real CUDA ops, forward and backward, on meta tensors: torch parses every argument against the op's
+    schema and its shape rules give the output and gradient shapes (the kernels themselves are unverified here)."""
+    q = torch.randn(2, 4, 8, 16, dtype=dtype, device="meta", requires_grad=True)
+    k, v = (torch.randn(2, 4, 16, 16, dtype=dtype, device="meta", requires_grad=True) for _ in range(2))
+    y = _CausalChunks.apply(q, k, v, (1, 2), None, kernel)
+    assert y.shape == q.shape and y.dtype == dtype
+    dq, dk, dv = torch.autograd.grad(y.sum(), (q, k, v))
+    assert (dq.shape, dk.shape, dv.shape) == (q.shape, k.shape, v.shape)
+
+
+def test_a_gpus_checks_are_torchs_sdpa_params():
+    """The GPU-side step-down asks torch's own dispatch checks; their argument list holds in this torch."""
+    q = torch.randn(1, 2, 4, 8)
+    params = torch.backends.cuda.SDPAParams(q, q, q, None, 0.0, False, False)
+    assert torch.backends.cuda.can_use_efficient_attention(params) in (True, False)
+
+
+def test_k_and_v_are_both_in_flight_before_either_is_waited_for(monkeypatch):
+    """The all-gathers of K and V are issued before the first wait, and so are the reduce-scatters of their
+    gradients; the gathered values (the other rank's part stood in for by x + 100) and the gradients (the reduce
+    of the two ranks' equal gradients: twice) are those of the collectives."""
+    events = []
+
+    class Pending:
+        def __init__(self, name, value):
+            self.name, self.value = name, value
+            events.append(f"issue {name}")
+
+        def wait(self):
+            events.append(f"wait {self.name}")
+            return self.value
+
+    def all_gather(x, dim, group):
+        assert dim == 0
+        return Pending(f"gather {x.shape[-1]}", torch.cat([x, x + 100], dim))
+
+    def reduce_scatter(g, op, dim, group):
+        return Pending(f"reduce {g.shape[-1]}", 2 * g.narrow(dim, 0, g.shape[dim] // 2))
+
+    monkeypatch.setattr(context_parallel, "_all_gather", all_gather)
+    monkeypatch.setattr(context_parallel, "_reduce_scatter", reduce_scatter)
+    k = torch.randn(1, 2, 4, 3, requires_grad=True)  # (B, nkv, T/cp, hs): K and V told apart by hs
+    v = torch.randn(1, 2, 4, 5, requires_grad=True)
+    gk, gv = context_parallel._GatherSequence.apply(2, None, k, v)
+    assert events == ["issue gather 3", "issue gather 5", "wait gather 3", "wait gather 5"]
+    assert torch.equal(gk, torch.cat([k, k + 100], 2)) and torch.equal(gv, torch.cat([v, v + 100], 2))
+    events.clear()
+    wk, wv = torch.randn(gk.shape), torch.randn(gv.shape)
+    dk, dv = torch.autograd.grad((gk * wk).sum() + (gv * wv).sum(), (k, v))
+    assert events == ["issue reduce 3", "issue reduce 5", "wait reduce 3", "wait reduce 5"]
+    assert torch.equal(dk, 2 * wk[:, :, :4]) and torch.equal(dv, 2 * wv[:, :, :4])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_grouped_query_kv_are_kept_unrepeated_with_the_numbers_of_repeating_outside(dtype):
+    """4 query heads over 1 key/value head: what the backward keeps holds K and V as gathered, not repeated 4
+    times, and outputs and gradients are bit for bit those of repeating K and V before the kernel (the CPU route
+    as it was)."""
+    torch.manual_seed(0)
+    q = torch.randn(2, 4, 8, 8, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(2, 1, 16, 8, dtype=dtype, requires_grad=True) for _ in range(2))
+    g = torch.randn(2, 4, 8, 8, dtype=dtype)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(tuple(t.shape)) or t, lambda t: t):
+        y = _CausalChunks.apply(q, k, v, (1, 2), None, CPU_FLASH)
+    assert kept.count((2, 1, 16, 8)) == 2 and (2, 4, 16, 8) not in kept
+    kr, vr = (t.repeat_interleave(4, dim=1) for t in (k, v))
+    y_out = _CausalChunks.apply(q, kr, vr, (1, 2), None, CPU_FLASH)
+    assert torch.equal(y, y_out)
+    for a, b in zip(torch.autograd.grad(y, (q, k, v), g), torch.autograd.grad(y_out, (q, k, v), g)):
+        assert torch.equal(a, b)

@@ -58,6 +58,8 @@ def test_layout_matches_single_process(layout, parity_reference, layout_runs):
     got = layout_runs.result(layout)
     assert sorted(got.evals) == [0, 5], f"{layout}: evaluations at steps {sorted(got.evals)}"
     assert_matches_reference(got, reference, layout)
+    # every record holds the largest rank's memory high-water mark of its window (dufu.engine.reporting.memory)
+    assert all(r["mem_rss_peak_mib"] > 50 for r in got.train.values()), layout
 
 
 # Mixed precision: 2 processes each; the single-process reference runs in the same dtype.

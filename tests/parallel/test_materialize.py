@@ -143,3 +143,114 @@ def test_the_block_a_rank_reads_is_its_shard():
         finally:
             dist.destroy_process_group()
     assert _local_block(full) is None  # a plain tensor is read whole
+
+
+def test_a_shard_is_filled_from_its_block_alone(monkeypatch):
+    """assign_full_ gives each rank what distribute_tensor would keep (in the parameter's dtype), and only the
+    rank's block of the full tensor is converted and copied (never the whole tensor)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dufu.parallel.materialize import assign_full_
+
+    full = torch.randn(10, 6, generator=torch.Generator().manual_seed(0))
+    copied = []  # the number of elements of every tensor copied into another or converted (.to)
+    real_copy, real_to = torch.Tensor.copy_, torch.Tensor.to
+    monkeypatch.setattr(torch.Tensor, "copy_",
+                        lambda self, src, *a: copied.append(src.numel()) or real_copy(self, src, *a))
+    monkeypatch.setattr(torch.Tensor, "to", lambda self, *a, **k: copied.append(self.numel()) or real_to(self, *a, **k))
+    for rank in range(4):
+        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+            for placements in ([_StridedShard(0, split_factor=2), Shard(0)], [Shard(0), Shard(1)]):
+                target = distribute_tensor(torch.zeros(10, 6, dtype=torch.bfloat16), mesh, placements,
+                                           src_data_rank=None)
+                copied.clear()
+                assign_full_(target, full)
+                moved = list(copied)
+                expected = distribute_tensor(full.to(torch.bfloat16), mesh, placements, src_data_rank=None)
+                assert torch.equal(target.to_local(), expected.to_local()), (rank, placements)
+                assert moved == [expected.to_local().numel()], (rank, placements, moved)
+        finally:
+            dist.destroy_process_group()
+
+
+def test_chunks_start_on_whole_blocks_of_16_and_draw_as_the_whole_tensor():
+    """The cut that lets a module's values be drawn chunk by chunk: every chunk but the last starts on a multiple
+    of 16 elements, the last holds at least 16, and on this torch the chunks' numbers are the whole tensor's."""
+    import math
+
+    from dufu.parallel.materialize import _chunks_draw_as_whole, _row_chunks
+
+    for shape in [(37, 24), (1000,), (5, 3), (33, 7), (17,), (16, 1), (3,), ()]:
+        chunks = _row_chunks(shape, 100)
+        row, rows = math.prod(shape[1:]), (shape[0] if shape else 1)
+        assert chunks[0][0] == 0 and chunks[-1][1] == rows, (shape, chunks)
+        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])), (shape, chunks)
+        assert all(r0 * row % 16 == 0 for r0, _ in chunks), (shape, chunks)
+        assert len(chunks) == 1 or (chunks[-1][1] - chunks[-1][0]) * row >= 16, (shape, chunks)
+    assert len(_row_chunks((1000,), 100)) == 11  # 10 chunks of 96, the last 40 elements
+    assert _chunks_draw_as_whole()
+
+
+@pytest.mark.parametrize("cls,tied", [(GPTModel, True), (LlamaModel, False)])
+def test_modules_drawn_chunk_by_chunk_get_the_whole_modules_values(cls, tied, monkeypatch):
+    """ModuleInitializer.assign (what materialisation uses) equals the module computed whole, bit for bit, in
+    chunks of 48 elements (many per tensor even in a tiny model); the plain rules' modules are drawn, not
+    computed whole."""
+    from dufu.parallel import materialize
+
+    monkeypatch.setattr(materialize, "CHUNK_ELEMENTS", 48)
+    model = meta(cls, tie_word_embeddings=tied)
+    init = materialize.ModuleInitializer(model, seed=5)
+    compared = 0
+    for name, module in model.named_modules():
+        own = {n: t for n, t in {**module._parameters, **module._buffers}.items()
+               if t is not None and not model.is_tied_alias(f"{name}.{n}")}
+        if not own:
+            continue
+        whole = {n: v.clone() for n, v in init.values(name).items() if n in own}
+        got = {n: [torch.full(t.shape, float("nan"), dtype=t.dtype)] for n, t in own.items()}
+        init.assign(name, got)
+        for n in own:
+            torch.testing.assert_close(got[n][0], whole[n], rtol=0, atol=0, msg=f"{name}.{n}")
+            compared += 1
+    assert compared > 10
+    drawn = {n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
+    drawn -= {n for n in drawn if model.is_tied_alias(f"{n}.weight")}
+    assert drawn <= set(init.streamed), sorted(drawn - set(init.streamed))
+
+
+def test_a_drawn_shard_is_the_block_of_the_whole_value(monkeypatch):
+    """Drawn chunk by chunk into DTensor shards (TP and FSDP placements, uneven), each rank of a 2 x 2 mesh gets
+    what distribute_tensor keeps of the whole value. One process, torch's fake process group for each rank."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from dufu.parallel import materialize
+
+    monkeypatch.setattr(materialize, "CHUNK_ELEMENTS", 48)
+    model = meta(GPTModel, vocab_size=90)  # 90 rows: uneven shards
+    init = materialize.ModuleInitializer(model, seed=3)
+    whole = init.values("wte")["weight"].detach().clone()
+    for rank in range(4):
+        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
+        try:
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
+            for placements in ([_StridedShard(0, split_factor=2), Shard(0)], [Shard(0), Shard(1)]):
+                target = distribute_tensor(torch.full(whole.shape, float("nan")), mesh, placements,
+                                           src_data_rank=None)
+                init.assign("wte", {"weight": [target]})
+                expected = distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
+                torch.testing.assert_close(target.to_local(), expected, rtol=0, atol=0,
+                                           msg=lambda m: f"rank {rank} {placements}: {m}")
+        finally:
+            dist.destroy_process_group()
+    assert "wte" in init.streamed

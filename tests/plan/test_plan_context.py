@@ -40,14 +40,13 @@ def test_a_rank_keeps_its_share_of_the_activations_plus_the_gathered_keys_and_va
     one = cp_estimate(1)
     for cp in (2, 4):
         est = cp_estimate(cp)
-        c = T // (2 * cp)
-        # per layer, beyond 1 / cp of one device's activations: K and V of the whole sequence (fp32), and the
-        # chunks' attention masks (c, (a + 1) c) for a = 0 and 2 cp - 1, which the fused attention takes as fp32
-        # and keeps for backward
+        # per layer, beyond its share of one device's activations: K and V of the whole sequence (fp32) as gathered
+        # (1 head), and no mask (the mask-free causal kernel, on a GPU as on the CPU); one device's attention keeps
+        # K and V repeated to the 8 query heads, the split one repeats them per kernel call only, so a rank keeps
+        # less than 1 / cp of one device's activations here (measured: 0.35 at cp 2, 0.18 at cp 4)
         kv = 2 * T * KV * (H // HEADS) * 4
-        masks = (1 + 2 * cp) * c * c * 4
         share = one.memory["activations"] / cp
-        assert share < est.memory["activations"] <= 1.05 * (share + LAYERS * (kv + masks))
+        assert 0.6 * share < est.memory["activations"] <= 1.05 * (share + LAYERS * kv)
         assert est.memory["activations"] < 0.7 / (cp / 2) * one.memory["activations"]
         # model states as one device's (no ZeRO: dp x cp ranks each hold every parameter)
         assert est.memory["parameters"] == one.memory["parameters"]

@@ -16,8 +16,11 @@ model FLOPs). MFU = flops_per_token * tokens_per_second / (peak * devices).
 
 Peak FLOP/s, per device and dtype:
 
-* CUDA: the dense tensor-core peak from the vendor data sheet for known GPUs
-  (table below); unknown GPUs are measured like the CPU.
+* CUDA: the dense (no 2:4 sparsity) peak from the vendor data sheet, :data:`GPU_PEAKS`, matched by the words
+  of ``torch.cuda.get_device_name`` (:func:`gpu_peak_tflops`). A GPU missing from the table has no peak and its
+  runs report no MFU, as the start-up summary says, unless ``train.peak_tflops`` gives one: a measured
+  2048-square matmul runs well below a GPU's peak and would overstate MFU. fp32 reads the rate without tensor
+  cores unless fp32 matmuls may use TF32 (``torch.set_float32_matmul_precision``).
 * CPU: there is no data sheet number for "this many threads of this CPU", so
   the peak is *measured*: the best throughput of a large square matmul in the
   training dtype (fp32, or bf16/fp16 under autocast), measured at every start,
@@ -55,10 +58,12 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 from torch import nn
@@ -66,19 +71,109 @@ from torch import nn
 from dufu.cache import atomic_write_text, file_lock, resolve_cache_dir
 from dufu.layers.moe import MoE
 
-# Dense (no sparsity) peak TFLOP/s from vendor data sheets: (bf16/fp16, fp32 non-tensor-core).
-_GPU_PEAK_TFLOPS = {
-    "H200": (989.0, 67.0),
-    "H100": (989.0, 67.0),  # SXM; PCIe is lower (756), matched below
-    "H100 PCIE": (756.0, 51.0),
-    "A100": (312.0, 19.5),
-    "A800": (312.0, 19.5),
-    "L40S": (362.0, 91.6),
-    "A10G": (70.0, 31.2),
-    "RTX 4090": (165.0, 82.6),
-    "V100": (125.0, 15.7),
-    "T4": (65.0, 8.1),
-}
+
+@dataclass(frozen=True)
+class GpuPeak:
+    """One GPU's dense (no 2:4 sparsity) peaks, TFLOP/s per device, from its vendor data sheet.
+
+    Most data sheets print the tensor-core figures *with* 2:4 sparsity (marked "*"), twice the dense rate a
+    training run can reach: every number here is the dense one, half the starred figure. ``fp32`` is the rate
+    without tensor cores (torch's default for fp32 matmuls, TF32 off); ``tf32`` the tensor-core rate with TF32
+    allowed."""
+
+    model: str  # the model's word in torch.cuda.get_device_name, e.g. "H100"
+    variant: tuple = ()  # further words that must all be in the name ("NVL", "PCIE"); () matches any
+    bf16: float = 0.0  # bf16/fp16 tensor cores (fp16 on GPUs without bf16: V100, T4), fp32 accumulate
+    tf32: Optional[float] = None  # None: no TF32 (before Ampere)
+    fp32: float = 0.0
+    source: str = ""
+
+
+# Most specific first: a name matches the first entry whose model word and variant words it contains, so
+# "H100 NVL" and "H100 PCIe" are matched before the plain "H100" (SXM). Names are compared word by word, not by
+# substring ("A10" is not "A100" or "A10G", "B200" is not "GB200").
+GPU_PEAKS: tuple = (
+    # NVIDIA H100 Tensor Core GPU data sheet (H100 SXM / H100 NVL columns; the NVL column is per GPU).
+    GpuPeak("H100", ("NVL",), bf16=835.5, tf32=417.5, fp32=60.0, source="NVIDIA H100 data sheet, H100 NVL"),
+    # NVIDIA H100 PCIe product brief / data sheet (PCIe column).
+    GpuPeak("H100", ("PCIE",), bf16=756.5, tf32=378.0, fp32=51.0, source="NVIDIA H100 data sheet, H100 PCIe"),
+    GpuPeak("H100", (), bf16=989.5, tf32=494.5, fp32=67.0, source="NVIDIA H100 data sheet, H100 SXM"),
+    # H800: the H100's die with NVLink and FP64 cut for export; bf16/tf32/fp32 as the H100 of the same form factor
+    # (NVIDIA H800 product page / data sheet).
+    GpuPeak("H800", ("PCIE",), bf16=756.5, tf32=378.0, fp32=51.0, source="NVIDIA H800 data sheet, H800 PCIe"),
+    GpuPeak("H800", (), bf16=989.5, tf32=494.5, fp32=67.0, source="NVIDIA H800 data sheet, H800 SXM"),
+    # NVIDIA H200 Tensor Core GPU data sheet (H200 SXM / H200 NVL columns).
+    GpuPeak("H200", ("NVL",), bf16=835.5, tf32=417.5, fp32=60.0, source="NVIDIA H200 data sheet, H200 NVL"),
+    GpuPeak("H200", (), bf16=989.5, tf32=494.5, fp32=67.0, source="NVIDIA H200 data sheet, H200 SXM"),
+    # NVIDIA GH200 Grace Hopper Superchip data sheet (its GPU: the H100 SXM's figures).
+    GpuPeak("GH200", (), bf16=989.5, tf32=494.5, fp32=67.0, source="NVIDIA GH200 data sheet"),
+    # NVIDIA GB200 NVL72 data sheet, per-GPU column (5 PFLOP/s bf16 and 2.5 TF32 with sparsity; 80 TFLOP/s fp32).
+    GpuPeak("GB200", (), bf16=2500.0, tf32=1250.0, fp32=80.0, source="NVIDIA GB200 NVL72 data sheet, per GPU"),
+    # NVIDIA HGX B200 data sheet, per-GPU column (4.5 PFLOP/s bf16 and 2.2 TF32 with sparsity; 75 TFLOP/s fp32).
+    GpuPeak("B200", (), bf16=2250.0, tf32=1100.0, fp32=75.0, source="NVIDIA HGX B200 data sheet, per GPU"),
+    # NVIDIA A100 Tensor Core GPU data sheet: SXM4 and PCIe, 40 and 80 GB, have the same compute figures.
+    GpuPeak("A100", (), bf16=312.0, tf32=156.0, fp32=19.5, source="NVIDIA A100 data sheet"),
+    # A800: the A100 with NVLink cut for export (NVIDIA A800 data sheet): the A100's compute figures.
+    GpuPeak("A800", (), bf16=312.0, tf32=156.0, fp32=19.5, source="NVIDIA A800 data sheet"),
+    # NVIDIA A10 Tensor Core GPU data sheet (bf16 125 dense, 250 with sparsity; TF32 62.5; fp32 31.2).
+    GpuPeak("A10", (), bf16=125.0, tf32=62.5, fp32=31.2, source="NVIDIA A10 data sheet"),
+    # A10G: AWS's own variant (EC2 G5 instances) has no NVIDIA data sheet, and AWS publishes no TFLOP/s for it.
+    # The figures are third parties' (Baseten's "NVIDIA A10 vs A10G" comparison: fewer tensor-core FLOP/s than
+    # the A10), not a vendor's: where MFU must be exact on an A10G, give train.peak_tflops.
+    GpuPeak("A10G", (), bf16=70.0, tf32=35.0, fp32=31.2,
+            source="no vendor data sheet; third-party figures for the AWS A10G"),
+    # NVIDIA L4 Tensor Core GPU data sheet (bf16 242, TF32 120 with sparsity; fp32 30.3).
+    GpuPeak("L4", (), bf16=121.0, tf32=60.0, fp32=30.3, source="NVIDIA L4 data sheet"),
+    # NVIDIA L40S data sheet (bf16 362.05 dense, 733 with sparsity; TF32 183; fp32 91.6).
+    GpuPeak("L40S", (), bf16=362.05, tf32=183.0, fp32=91.6, source="NVIDIA L40S data sheet"),
+    # NVIDIA L40 data sheet (bf16 181.05 dense, 362.1 with sparsity; TF32 90.5; fp32 90.5).
+    GpuPeak("L40", (), bf16=181.05, tf32=90.5, fp32=90.5, source="NVIDIA L40 data sheet"),
+    # NVIDIA Ada Lovelace architecture whitepaper, GeForce RTX 4090 (fp16/bf16 with fp32 accumulate 165.2).
+    GpuPeak("4090", ("RTX",), bf16=165.2, tf32=82.6, fp32=82.6, source="NVIDIA Ada GPU architecture whitepaper"),
+    # NVIDIA V100 Tensor Core GPU data sheet: fp16 tensor cores only (no bf16, no TF32); PCIe is clocked lower.
+    GpuPeak("V100", ("PCIE",), bf16=112.0, fp32=14.0, source="NVIDIA V100 data sheet, V100 PCIe"),
+    GpuPeak("V100", (), bf16=125.0, fp32=15.7, source="NVIDIA V100 data sheet, V100 SXM2"),
+    # NVIDIA T4 Tensor Core GPU data sheet (fp16 mixed precision 65; fp32 8.1).
+    GpuPeak("T4", (), bf16=65.0, fp32=8.1, source="NVIDIA T4 data sheet"),
+)
+
+
+def _name_words(device_name: str) -> set:
+    """The words of a device name, upper case: "NVIDIA A100-SXM4-80GB" -> {"NVIDIA", "A100", "SXM4", "80GB"}."""
+    return set(re.split(r"[^A-Z0-9]+", device_name.upper())) - {""}
+
+
+def gpu_peak(device_name: str) -> Optional[GpuPeak]:
+    """The table entry of a GPU named as ``torch.cuda.get_device_name`` names it, else None."""
+    words = _name_words(device_name)
+    for entry in GPU_PEAKS:
+        if entry.model in words and all(v in words for v in entry.variant):
+            return entry
+    return None
+
+
+def gpu_peak_tflops(device_name: str, dtype: torch.dtype, tf32: bool = False) -> Optional[tuple[float, str]]:
+    """(dense peak TFLOP/s, where it comes from) of the GPU ``device_name`` in ``dtype``, or None for a GPU the
+    table does not hold. fp32 reads the non-tensor-core rate unless ``tf32`` (fp32 matmuls allowed to use TF32)."""
+    entry = gpu_peak(device_name)
+    if entry is None:
+        return None
+    if dtype in (torch.bfloat16, torch.float16):
+        return entry.bf16, f"{entry.bf16:g} TFLOP/s, dense {_name(dtype)} peak of {device_name} ({entry.source})"
+    if tf32 and entry.tf32 is not None:
+        return entry.tf32, f"{entry.tf32:g} TFLOP/s, dense TF32 peak of {device_name} ({entry.source})"
+    return entry.fp32, f"{entry.fp32:g} TFLOP/s, fp32 peak of {device_name} without tensor cores ({entry.source})"
+
+
+def _tf32_allowed() -> bool:
+    """Whether fp32 matmuls on CUDA may run in TF32 (torch's default: no)."""
+    return torch.get_float32_matmul_precision() != "highest"
+
+
+def unknown_gpu_peak(device_name: str) -> str:
+    """The MFU line's sentence for a GPU the table does not hold."""
+    return (f"n/a: {device_name} is not in dufu's table of data-sheet peaks (dufu.engine.reporting.flops.GPU_PEAKS), "
+            "so MFU is not reported; train.peak_tflops=<dense TFLOP/s of one device in the training dtype> sets it")
 
 
 def count_matmul_params(model: nn.Module, active: bool = True) -> int:
@@ -283,16 +378,11 @@ def _threads(count: int):
 
 
 def _data_sheet(device: torch.device, dtype: torch.dtype) -> tuple[float, str] | None:
-    """The vendor's dense peak for a known GPU, else None."""
+    """The vendor's dense peak (FLOP/s, source) for a GPU of :data:`GPU_PEAKS`, else None."""
     if device.type != "cuda":
         return None
-    low_precision = dtype in (torch.bfloat16, torch.float16)
-    name = torch.cuda.get_device_name(device).upper()
-    for key in sorted(_GPU_PEAK_TFLOPS, key=len, reverse=True):
-        if key in name:
-            tf = _GPU_PEAK_TFLOPS[key][0 if low_precision else 1]
-            return tf * 1e12, f"{tf:g} TFLOP/s, data-sheet peak of {name} ({'bf16' if low_precision else 'fp32'})"
-    return None
+    sheet = gpu_peak_tflops(torch.cuda.get_device_name(device), dtype, tf32=_tf32_allowed())
+    return None if sheet is None else (sheet[0] * 1e12, sheet[1])
 
 
 class DtypeSpeeds(dict):
@@ -304,9 +394,10 @@ class DtypeSpeeds(dict):
 
 def matmul_speeds(device: torch.device, dtypes, size: int = 2048, seconds: float = 0.8) -> DtypeSpeeds:
     """FLOP/s of a matmul in each of ``dtypes``, measured now (:func:`measure_matmuls`: one size for all, in
-    alternation, best of each), to compare the dtypes. Known GPUs answer from the data sheet. Each reading is kept
-    as the dtype's peak (:func:`keep_reading`): in the cache when it was quiet, for this process only when it was
-    taken under load.
+    alternation, best of each), to compare the dtypes. Known GPUs answer from the data sheet. On the CPU each
+    reading is kept as the dtype's peak (:func:`keep_reading`): in the cache when it was quiet, for this process
+    only when it was taken under load. A GPU missing from the table is measured for the comparison only: a
+    2048-square matmul runs well below a GPU's peak, so it is no MFU basis (:func:`device_peak_flops`).
 
     Under load the CPU's dtypes are compared once more, on one thread timed by its CPU time (``ONE_THREAD_SIZE``
     matrices, 0.5 s), and those speeds are returned. By the wall clock a load decides which dtype reads faster:
@@ -329,8 +420,9 @@ def matmul_speeds(device: torch.device, dtypes, size: int = 2048, seconds: float
         low, high = min(speeds, key=speeds.get), max(speeds, key=speeds.get)
         how += (f"; the dtypes compared on one thread instead ({single.describe()}): "
                 f"{_name(high)} {speeds[high] / speeds[low]:.2f}x {_name(low)}")
-    for dtype, flop_s in reading.speeds.items():
-        keep_reading(device, dtype, flop_s, reading.under_load, how)
+    if device.type == "cpu":
+        for dtype, flop_s in reading.speeds.items():
+            keep_reading(device, dtype, flop_s, reading.under_load, how)
     return speeds
 
 
@@ -395,8 +487,12 @@ def keep_reading(device: torch.device, dtype: torch.dtype, flop_s: float, under_
 
 def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops: float | None = None,
                       remeasure: bool = True, measured: float | None = None,
-                      under_load: bool | None = None) -> tuple[float, str]:
+                      under_load: bool | None = None) -> tuple[float | None, str]:
     """(peak FLOP/s of one device in ``dtype``, a sentence saying where the number comes from).
+
+    ``train.peak_tflops`` (``override_tflops``, or ``DUFU_PEAK_TFLOPS``) wins; a GPU of :data:`GPU_PEAKS` answers
+    from its data sheet; any other CUDA device has no peak: (None, "n/a: ...", saying that train.peak_tflops sets
+    it), and the run reports no MFU. On the CPU:
 
     The peak is the cached best quiet reading; where the cache has none, this process's best reading taken under
     load, with "measured under load: not cached" in the sentence. ``measured``: a reading the caller just took
@@ -409,13 +505,16 @@ def device_peak_flops(device: torch.device, dtype: torch.dtype, override_tflops:
     sheet = _data_sheet(device, dtype)
     if sheet is not None:
         return sheet
+    if device.type != "cpu":  # a GPU missing from the table: a measured matmul would overstate MFU
+        name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+        return None, unknown_gpu_peak(name)
     key = _key(device, dtype)
     if measured is not None:
         keep_reading(device, dtype, measured, under_load)
     elif remeasure or (_quiet_peak(_read_cache(), key) is None and key not in _UNCACHED):
         reading = measure_matmuls(device, (dtype,), seconds=0.6)
         keep_reading(device, dtype, reading.speeds[dtype], reading.under_load, reading.describe())
-    name = cpu_name() if device.type == "cpu" else torch.cuda.get_device_name(device)
+    name = cpu_name()
     threads = torch.get_num_threads()
     what = f"{_name(dtype)} matmul on {name} with {threads} thread{'s' if threads != 1 else ''}"
     quiet, uncached = _quiet_peak(_read_cache(), key), _UNCACHED.get(key)

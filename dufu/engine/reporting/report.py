@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from dufu.engine.inference.generate import generate
 from dufu.engine.resilience.preemption import resume_command_here
+from dufu.engine.reporting import memory
 from dufu.engine.reporting.flops import count_matmul_params, flops_per_token
 from dufu.engine.reporting.logger import MetricsWriter, ProgressBar, plot_loss_curve, read_metrics
 from dufu.parallel.data_parallel import describe_zero_stage
@@ -29,8 +30,9 @@ def model_flops_per_token(model, seq_length: int) -> float:
     return flops_per_token(count_matmul_params(model), attention_layers, declared.hidden_size or 0, seq_length)
 
 
-def describe(runtime) -> str:
-    """The start-up summary: model, layout, batch arithmetic, data, MFU basis, weights, output, notices."""
+def describe(runtime, planned=None) -> str:
+    """The start-up summary: model, layout, batch arithmetic, data, MFU basis, the planned memory peak
+    (``planned``: a :class:`~dufu.engine.reporting.memory.PlannedMemory`), weights, output, notices."""
     t = runtime.cfg.train
     amp = runtime.precision.name
     zero = f", {describe_zero_stage(t.zero_optimization.stage)}" if t.zero_optimization.enabled else ""
@@ -52,6 +54,7 @@ def describe(runtime) -> str:
         f"{runtime.tokens_per_step:,} tokens/step",
         *data_lines(runtime, valid),
         f"  precision    {amp}: {runtime.precision.reason}",
+        *([planned.line()] if planned is not None else []),
         f"  compile      {runtime.compile.reason}",
         f"  MFU          {runtime.flops_per_token / 1e6:,.1f} MFLOP/token (6N + 12*L*H*T); peak {runtime.peak_source}",
         weights_line(runtime),
@@ -103,14 +106,15 @@ def evaluation_line(step: int, ev: dict) -> str:
     return f"step {step}: validation loss {ev['eval_loss']:.4f}{each}, perplexity {ev['eval_ppl']:.1f}{acc}"
 
 
-def window_rates(tokens_per_step: int, steps: int, seconds: float, flops_per_token: float, peak_flops: float,
-                 world_size: int) -> dict:
+def window_rates(tokens_per_step: int, steps: int, seconds: float, flops_per_token: float,
+                 peak_flops: float | None, world_size: int) -> dict:
     """Throughput of a log window of ``steps`` steps that took ``seconds`` of wall time (every rank's steps
     included, see :class:`StepClock`): global tokens per second, seconds per step, and MFU, the model FLOPs per
-    second over the peak of all ``world_size`` devices of the job."""
+    second over the peak of all ``world_size`` devices of the job (None without a known peak: an unknown GPU
+    and no train.peak_tflops)."""
     tokens_per_s = tokens_per_step * steps / seconds
-    return {"tokens_per_s": tokens_per_s, "step_time_s": seconds / steps,
-            "mfu": flops_per_token * tokens_per_s / (peak_flops * world_size)}
+    mfu = flops_per_token * tokens_per_s / (peak_flops * world_size) if peak_flops else None
+    return {"tokens_per_s": tokens_per_s, "step_time_s": seconds / steps, "mfu": mfu}
 
 
 def max_over_ranks(value: float) -> float:
@@ -174,6 +178,7 @@ class RunLog:
                                     resume_step=trainer.step if rt.resume_from else None) if rt.is_main else None
         self.bar = None
         self.clock = clock or StepClock()
+        self.peaks = memory.RunPeaks()  # every rank's memory peak, from the records
 
     def start(self) -> None:
         """The progress bar and the clocks of throughput and train.stop_after_minutes start here (on every rank
@@ -187,6 +192,8 @@ class RunLog:
         self.bar = ProgressBar(self.train_iter, initial=self.trainer.step, enabled=self.trainer.is_main)
         self.start_step, self.window_steps = self.trainer.step, 0
         self.timed_steps, self.timed_seconds = 0, 0.0  # the logged windows, for the end summary
+        # the start-up's peak (the build, a resume), then the high-water mark starts again for the first window
+        self.peaks.add(memory.gather_memory_records(memory.memory_record(self.runtime.device))[1])
         self.t_start = self.clock.start()
 
     def step(self, numbers=None) -> None:
@@ -200,14 +207,18 @@ class RunLog:
                 raise RuntimeError(f"RunLog.step at step {step} (a log step) needs that step's numbers")
             loss = numbers.loss
             seconds = self.clock.window()
+            peak, per_rank = memory.gather_memory_records(memory.memory_record(rt.device))  # max over ranks
+            self.peaks.add(per_rank)
             rates = window_rates(rt.tokens_per_step, self.window_steps, seconds, rt.flops_per_token, rt.peak_flops,
                                  rt.world_size)
             self.timed_steps, self.timed_seconds = self.timed_steps + self.window_steps, self.timed_seconds + seconds
             record = {
                 "step": step, "loss": loss, "lr": tr.last_lr, "grad_norm": numbers.grad_norm,
                 "tokens_per_s": rates["tokens_per_s"], "mfu": rates["mfu"], "step_time_s": rates["step_time_s"],
-                "consumed_samples": tr.sampler.state_dict()["consumed_samples"],
+                "consumed_samples": tr.sampler.state_dict()["consumed_samples"], **peak,
             }
+            if rt.compile_watch is not None:  # compilations after the warm-up (dufu.parallel.compile)
+                record["recompiles"] = rt.compile_watch.recompile_count
             if numbers.skipped:
                 record["skipped_steps"] = numbers.skipped
             if rt.moe:  # a mixture-of-experts model: its load balance (dufu.engine.moe_monitor)
@@ -218,7 +229,7 @@ class RunLog:
             self.writer and self.writer.write(record)
             self.window_steps = 0
             self.bar.update(0, loss=f"{loss:.4f}", lr=f"{record['lr']:.2e}",
-                            **{"tok/s": f"{rates['tokens_per_s']:,.0f}"}, mfu=f"{100 * rates['mfu']:.1f}%")
+                            **{"tok/s": f"{rates['tokens_per_s']:,.0f}"}, mfu=f"{100 * rates['mfu']:.1f}%" if rates["mfu"] is not None else "n/a")
         self.bar.update(1)
         self.clock.step_done()
 
@@ -257,7 +268,9 @@ class RunLog:
             tr.log(f"stopped at step {step} of {self.train_iter}: {stop_reason}. The checkpoint is complete; "
                    f"continue with: {resume_command_here(tr.output_dir)}")
         elapsed = time.perf_counter() - self.t_start
-        summary = {"steps": step - self.start_step, "seconds": elapsed, "final_step": step}
+        summary = {"steps": step - self.start_step, "seconds": elapsed, "final_step": step,
+                   "memory_peak_per_rank": self.peaks.per_rank,
+                   "memory": self.peaks.text(self.trainer.planned_memory, self.trainer.start_rss)}
         texts = samples()
         if not tr.is_main:
             return summary
@@ -303,7 +316,10 @@ def summary_text(s: dict, output_dir) -> str:
             lines.append(f"  validation ppl       {s['eval_ppl_start']:.1f} -> {s['eval_ppl_end']:.2f}  "
                          f"({change(s['eval_ppl_start'], s['eval_ppl_end'])})")
     if s.get("mean_tokens_per_s"):
-        lines.append(f"  throughput           {s['mean_tokens_per_s']:,.0f} tokens/s, MFU {100 * (s['mean_mfu'] or 0):.1f}%")
+        mfu = f"MFU {100 * s['mean_mfu']:.1f}%" if s.get("mean_mfu") is not None else "MFU n/a"
+        lines.append(f"  throughput           {s['mean_tokens_per_s']:,.0f} tokens/s, {mfu}")
+    if s.get("memory"):
+        lines.append("  peak memory          " + s["memory"].removeprefix("  peak memory  "))
     written = written_files(output_dir)
     lines.append(f"  written to           {output_dir}/" + (f" ({', '.join(written)})" if written else ""))
     for prompt, text in s.get("samples", []):
