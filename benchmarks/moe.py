@@ -3,7 +3,7 @@ parameters per token, and the share of a step the expert-parallel all-to-all tak
 
     python benchmarks/moe.py              # both parts (~4 minutes on 2 cores; up to ~8 when the cores are busy)
     python benchmarks/moe.py --quick      # a smoke run (< 1 minute), writes nothing unless --results-dir
-    python benchmarks/moe.py --only dense # or --only ep
+    python benchmarks/moe.py --only dense # or --only ep, --only grouped
     python benchmarks/moe.py --before benchmarks/results/moe-DATE-before.json   # + part 1 of an earlier run
 
 **Part 1, MoE vs dense at equal active parameters** (one process, fp32). The MoE model is ``moe_debug`` made
@@ -41,7 +41,20 @@ group to arrive: the share says how long ranks stand in the all-to-all, transfer
 CPU-time share (process CPU time inside the all-to-all over the step's) is the compute the exchange itself
 costs. With 4 processes on 2 cores the machine is oversubscribed, so only ratios mean something.
 
-Results: ``benchmarks/results/moe-<date>.md``, ``.json`` and ``.png`` (step time vs EP, all-to-all vs the rest),
+**Part 3, the experts' grouped GEMM vs their per-expert loop** (one process, fp32 and bf16 autocast). The two
+paths of :class:`dufu.layers.moe.GroupedExperts` at equal shapes, the model of part 1: one ``torch._grouped_mm``
+per projection with the experts' offsets computed on the device (``grouped_mm=None``, the default, where
+:func:`dufu.layers.moe.grouped_mm_available`), against one pair of matmuls per expert on slices cut by
+``counts.tolist()`` (``grouped_mm=False``). Measured twice: one MoE layer's forward and backward on the step's
+tokens (``batch x seq`` tokens, hidden ``H``, ``E`` experts of ``F``, top-k; ``--layer-reps`` interleaved
+repetitions, median), and the MoE model's ``Trainer.train_step()`` with every experts module switched between
+the paths at alternate steps (one trainer per dtype, so both paths train the same model on the same data
+stream; the first path alternates). The host reads of one layer's forward and backward are counted for each
+path (:func:`dufu.engine.host_reads.count_host_reads`). The CPU's model and its bf16 features
+(AMX, AVX512-BF16) are in the report: without them bf16 matmuls are slower than fp32 ones.
+
+Results: ``benchmarks/results/moe-<date>.md`` (``moe-<date>-grouped.md`` for ``--only grouped``), ``.json`` and
+``.png`` (step time vs EP, all-to-all vs the rest),
 with the dufu commit and the files of dufu/ changed from it (``--note`` adds a description of the code), and a
 warning when a file of dufu/ changed while the benchmark ran. ``--before FILE`` puts part 1 of an earlier results
 file (say, of the code before a change, run from a copy of the tree) beside this run's.
@@ -72,9 +85,15 @@ SHAPES = {
                   top_k=2, expert_ffn=64, seq=32, batch=4, ep_micro_batch=2),
 }
 RUNS = {
-    "full": dict(warmup=3, steps=30, ep_nproc=4, ep_sizes=(1, 2, 4), ep_steps=16, ep_warmup=4, repeats=3),
-    "quick": dict(warmup=1, steps=2, ep_nproc=2, ep_sizes=(1, 2), ep_steps=4, ep_warmup=1, repeats=1),
+    "full": dict(warmup=3, steps=30, ep_nproc=4, ep_sizes=(1, 2, 4), ep_steps=16, ep_warmup=4, repeats=3,
+                 layer_reps=20, grouped_steps=10),
+    "quick": dict(warmup=1, steps=2, ep_nproc=2, ep_sizes=(1, 2), ep_steps=4, ep_warmup=1, repeats=1,
+                  layer_reps=2, grouped_steps=2),
 }
+# Part 3's dtypes: the Trainer's precision overrides and the layer's autocast dtype (None: fp32).
+GROUPED_DTYPES = {"fp32": (["train.amp.enabled=False"], None),
+                  "bf16": (["train.amp.enabled=True", "train.amp.dtype=bf16"], "bfloat16")}
+PATHS = {"loop": False, "grouped": None}  # GroupedExperts.grouped_mm of each path
 RECIPES = {"moe": "moe_debug", "dense": "llama_debug"}
 RUN_SETTINGS = ["train.amp.enabled=False", "train.compile.enabled=False", "train.evaluation.enabled=False",
                 "train.generation.enabled=False", "train.tensorboard=False", "train.checkpointer.period=0",
@@ -140,7 +159,7 @@ class _Contender:
         loss, _ = self.trainer.train_step()
         wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
         busy1 = proc.system_busy_seconds()
-        self.losses.append(loss)
+        self.losses.append(float(loss))  # train_step returns the loss on the device
         if timed:
             self.wall.append(wall)
             self.cpu.append(cpu)
@@ -159,18 +178,20 @@ def profile_step(contender: _Contender) -> dict:
         contender.step(timed=False)
         wall_ms = 1e3 * (time.perf_counter() - t0)
     ms, calls = dict.fromkeys(PROFILE_KINDS, 0.0), dict.fromkeys(PROFILE_KINDS, 0)
-    fill_calls = select_backward_calls = 0
+    fill_calls = select_backward_calls = grouped_calls = 0
     for ev in prof.key_averages():
         select_backward_calls += ev.count if ev.key == "SelectBackward0" else 0
         if not ev.key.startswith("aten::"):
             continue  # autograd nodes and Python-level regions: their ops are counted themselves
-        kind = op_kind(ev.key)
+        kind = "matmul" if ev.key == "aten::_grouped_mm" else op_kind(ev.key)  # the experts' grouped GEMM
+        grouped_calls += ev.count if ev.key == "aten::_grouped_mm" else 0
         ms[kind] += ev.self_cpu_time_total / 1e3
         calls[kind] += ev.count
         fill_calls += ev.count if ev.key == "aten::fill_" else 0
     ms["between ops (Python, dispatch)"] = max(0.0, wall_ms - sum(ms.values()))
     return {"ms": ms, "calls": calls, "wall_ms": wall_ms, "matmul_calls": calls["matmul"], "fill_calls": fill_calls,
-            "select_backward_calls": select_backward_calls, "aten_calls": sum(calls.values())}
+            "select_backward_calls": select_backward_calls, "grouped_mm_calls": grouped_calls,
+            "aten_calls": sum(calls.values())}
 
 
 def compare_dense(shape: dict, runs: dict, workdir: Path) -> dict:
@@ -210,6 +231,160 @@ def compare_dense(shape: dict, runs: dict, workdir: Path) -> dict:
             "same_samples": same_data, "peak_flops": peak, "peak_source": peak_source, "rows": rows,
             "step_time_ratio_moe_over_dense": rows["moe"]["median_step_s"] / rows["dense"]["median_step_s"]}
 
+
+
+# ============================================================================ part 3: grouped GEMM vs the loop
+def _set_path(model, path: str) -> None:
+    from dufu.layers.moe import GroupedExperts
+
+    for m in model.modules():
+        if isinstance(m, GroupedExperts):
+            m.grouped_mm = PATHS[path]
+
+
+def compare_layer(shape: dict, reps: int, dtype_name: str) -> dict:
+    """One MoE layer's forward and backward on a step's tokens, by each path, interleaved: median ms, and the
+    host reads of one pass."""
+    import torch
+
+    from dufu.engine.host_reads import count_host_reads
+    from dufu.layers.moe import MoE
+
+    torch.manual_seed(0)
+    moe = MoE(shape["hidden_size"], shape["expert_ffn"], shape["num_experts"], top_k=shape["top_k"],
+              aux_loss_coeff=0.01)
+    x = torch.randn(shape["batch"] * shape["seq"], shape["hidden_size"], requires_grad=True)
+    autocast = GROUPED_DTYPES[dtype_name][1]
+
+    def once() -> float:
+        t0 = time.perf_counter()
+        with torch.autocast("cpu", dtype=getattr(torch, autocast or "bfloat16"), enabled=autocast is not None):
+            out = moe(x)
+        out.float().square().mean().backward()
+        return 1e3 * (time.perf_counter() - t0)
+
+    times, reads, outputs = {p: [] for p in PATHS}, {}, {}
+    for path in PATHS:  # warm-up (the grouped path's kernel probe runs here) and the host reads of one pass
+        _set_path(moe, path)
+        once()
+        moe.zero_grad()
+        x.grad = None
+        with count_host_reads() as counter:
+            once()
+        reads[path] = counter.count
+        outputs[path] = [x.grad.clone()] + [p.grad.clone() for p in moe.parameters()]
+        moe.zero_grad()
+        x.grad = None
+    for i in range(reps):
+        for path in (list(PATHS) if i % 2 == 0 else list(PATHS)[::-1]):
+            _set_path(moe, path)
+            times[path].append(once())
+            moe.zero_grad()
+            x.grad = None
+    diff = max(float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+               for a, b in zip(outputs["grouped"], outputs["loop"]))
+    med = {p: statistics.median(t) for p, t in times.items()}
+    return {"dtype": dtype_name, "tokens": x.shape[0], "reps": reps, "times_ms": times, "median_ms": med,
+            "min_ms": {p: min(t) for p, t in times.items()},
+            "grouped_over_loop": med["grouped"] / med["loop"], "host_reads": reads,
+            "max_relative_grad_difference": diff}
+
+
+def compare_step(shape: dict, runs: dict, workdir: Path, dtype_name: str) -> dict:
+    """The MoE model's training step, its experts switched between the paths at alternate steps."""
+    from dufu.config import LazyConfig, resolve_config_path
+    from dufu.engine.trainer import Trainer
+
+    overrides = model_overrides(shape, "moe") + RUN_SETTINGS + GROUPED_DTYPES[dtype_name][0] + [
+        f"train.train_micro_batch_size={shape['batch']}", f"train.global_batch_size={shape['batch']}",
+        f"train.output_dir={workdir / ('grouped-' + dtype_name)}"]
+    overrides = [o for o in overrides if o != "train.amp.enabled=False" or dtype_name == "fp32"]
+    cfg = LazyConfig.load(resolve_config_path(RECIPES["moe"]))
+    LazyConfig.apply_overrides(cfg, overrides)
+    trainer = Trainer(cfg, log=lambda *a, **k: None)
+    model = trainer.runtime.model
+    times, losses = {p: [] for p in PATHS}, {p: [] for p in PATHS}
+    for path in PATHS:  # warm-up, one step each
+        _set_path(model, path)
+        trainer.train_step()
+    for i in range(runs["grouped_steps"]):
+        for path in (list(PATHS) if i % 2 == 0 else list(PATHS)[::-1]):
+            _set_path(model, path)
+            t0 = time.perf_counter()
+            loss, _ = trainer.train_step()
+            times[path].append(time.perf_counter() - t0)
+            losses[path].append(float(loss))
+    med = {p: statistics.median(t) for p, t in times.items()}
+    return {"dtype": dtype_name, "autocast_dtype": str(trainer.runtime.amp_dtype), "steps": runs["grouped_steps"],
+            "overrides": overrides, "step_times_s": times, "losses": losses,
+            "median_step_s": med, "min_step_s": {p: min(t) for p, t in times.items()},
+            "grouped_over_loop": med["grouped"] / med["loop"]}
+
+
+def compare_grouped(shape: dict, runs: dict, workdir: Path) -> dict:
+    import torch
+
+    from dufu.layers.moe import grouped_mm_available
+
+    available = {name: {"eager": grouped_mm_available("cpu", getattr(torch, dt or "float32")),
+                        "compiled": grouped_mm_available("cpu", getattr(torch, dt or "float32"), traced=True)}
+                 for name, (_, dt) in GROUPED_DTYPES.items()}
+    log(f"part 3: grouped GEMM available on the CPU: {available}")
+    layer, step = {}, {}
+    for name in GROUPED_DTYPES:
+        log(f"part 3: one MoE layer, {name}, {runs['layer_reps']} repetitions per path ...")
+        layer[name] = compare_layer(shape, runs["layer_reps"], name)
+        log(f"  loop {layer[name]['median_ms']['loop']:.1f} ms, grouped {layer[name]['median_ms']['grouped']:.1f} ms")
+    for name in GROUPED_DTYPES:
+        log(f"part 3: the MoE training step, {name}, {runs['grouped_steps']} steps per path ...")
+        step[name] = compare_step(shape, runs, workdir, name)
+        log(f"  loop {1e3 * step[name]['median_step_s']['loop']:.0f} ms, "
+            f"grouped {1e3 * step[name]['median_step_s']['grouped']:.0f} ms")
+    return {"threads": torch.get_num_threads(), "available": available, "layer": layer, "step": step}
+
+
+def grouped_report(part: dict, shape: dict, machine_info: dict) -> list[str]:
+    """Part 3's Markdown section."""
+    cpu = machine_info.get("cpu")
+    features = ", ".join(machine_info.get("cpu_features") or []) or "none of avx2/avx512/amx"
+    lines = ["## Grouped GEMM vs the per-expert loop (one process)", "",
+             f"CPU: {cpu} ({features}); torch {machine_info.get('torch')}, {part['threads']} thread(s). Shape: "
+             f"{shape['batch']} x {shape['seq']} = {shape['batch'] * shape['seq']:,} tokens, hidden "
+             f"{shape['hidden_size']}, {shape['num_experts']} SwiGLU experts of {shape['expert_ffn']}, top-"
+             f"{shape['top_k']}; the step is part 1's MoE model ({shape['num_layers']} MoE blocks). Grouped GEMM "
+             "available: " + "; ".join(f"{k} eager {'yes' if v['eager'] else 'no'}, under torch.compile "
+                                       f"{'yes' if v['compiled'] else 'no'}" for k, v in part["available"].items())
+             + ".", "",
+             "| measured | dtype | loop (ms) | grouped (ms) | grouped / loop (medians) | host reads per layer (loop / "
+             "grouped) |",
+             "|---|---|---:|---:|---:|---:|"]
+    for name, r in part["layer"].items():
+        lines.append(f"| one MoE layer, forward + backward | {name} | {r['median_ms']['loop']:.2f} "
+                     f"({r['min_ms']['loop']:.2f}) | {r['median_ms']['grouped']:.2f} ({r['min_ms']['grouped']:.2f}) | "
+                     f"{r['grouped_over_loop']:.2f}x | "
+                     f"{r['host_reads']['loop']} / {r['host_reads']['grouped']} |")
+    for name, r in part["step"].items():
+        lines.append(f"| training step ({r['steps']} per path) | {name} | {1e3 * r['median_step_s']['loop']:.0f} "
+                     f"({1e3 * r['min_step_s']['loop']:.0f}) | {1e3 * r['median_step_s']['grouped']:.0f} "
+                     f"({1e3 * r['min_step_s']['grouped']:.0f}) | {r['grouped_over_loop']:.2f}x | |")
+    lines += ["", "Medians of interleaved runs (in parentheses the fastest run; see the load average above: "
+              "other processes share the cores). The layer's gradients by the two paths differ by at most "
+              + ", ".join(f"{r['max_relative_grad_difference']:.1e} ({n})" for n, r in part["layer"].items())
+              + " of their largest element.", ""]
+    return lines
+
+
+
+def grouped_observations(part: dict) -> list[str]:
+    """Part 3's observations from its numbers."""
+    out = []
+    for name, r in part["layer"].items():
+        s = part["step"].get(name)
+        out.append(
+            f"{name}: the grouped GEMM takes {r['grouped_over_loop']:.2f}x the loop's time for one MoE layer's forward "
+            f"and backward" + (f", {s['grouped_over_loop']:.2f}x for the training step" if s else "")
+            + f"; host reads per layer {r['host_reads']['loop']} (loop) and {r['host_reads']['grouped']} (grouped).")
+    return out
 
 
 # ============================================================================ part 2: the runs
@@ -309,7 +484,7 @@ def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps, 2 processes (a smoke run)")
-    ap.add_argument("--only", choices=("dense", "ep"), default=None, help="run one part only")
+    ap.add_argument("--only", choices=("dense", "ep", "grouped"), default=None, help="run one part only")
     ap.add_argument("--steps", type=int, default=None, help="part 1: timed steps per model")
     ap.add_argument("--repeats", type=int, default=None, help="part 2: runs per expert-parallel size")
     ap.add_argument("--threads", type=int, default=1, help="part 1: torch threads (default 1, see the docstring)")
@@ -342,6 +517,8 @@ def main(argv=None) -> int:
             result["dense"] = compare_dense(shape, runs, work)
         if args.only in (None, "ep"):
             result["ep"] = compare_ep(shape, runs, work)
+        if args.only in (None, "grouped"):
+            result["grouped"] = compare_grouped(shape, runs, work)
     result["wall_s"] = time.perf_counter() - t0
     result["load_avg_end"] = [round(x, 2) for x in os.getloadavg()]
     changed = machine.changed_since(digests)
@@ -350,10 +527,17 @@ def main(argv=None) -> int:
     if args.before and result.get("dense"):
         result["before"] = before_summary(json.loads(Path(args.before).read_text()), args.before)
     result["observations"] = observations(result)
+    if result.get("grouped"):
+        result["observations"] += grouped_observations(result["grouped"])
     text = report(result)
+    if result.get("grouped"):  # part 3's section, before the observations
+        section = "\n".join(grouped_report(result["grouped"], shape, result["machine"]))
+        head, sep, tail = text.partition("## Observations")
+        text = head + section + "\n" + sep + tail if sep else text + "\n" + section
     print(text)
     if results_dir is not None:
-        stem = results_files.write(results_files.stem(results_dir, "moe", date), result, text)
+        tag = "grouped" if args.only == "grouped" else ""
+        stem = results_files.write(results_files.stem(results_dir, "moe", date, tag), result, text)
         if result.get("ep"):
             plot(result["ep"], stem.with_suffix(".png"))
         log(f"wrote {stem}.md, .json{', .png' if result.get('ep') else ''}")

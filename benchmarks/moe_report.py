@@ -11,7 +11,8 @@ from harness.machine import peaks_text
 
 # Ops by kind, for the profiled step (aten names; everything else is "other ops").
 OP_KINDS = {
-    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv", "aten::dot"),
+    "matmul": ("aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::addmv", "aten::mv", "aten::dot",
+               "aten::_grouped_mm"),
     "attention": ("aten::_scaled_dot_product_flash_attention_for_cpu",
                   "aten::_scaled_dot_product_flash_attention_for_cpu_backward"),
     "routing": ("aten::topk", "aten::sort", "aten::argsort", "aten::bincount", "aten::_softmax",

@@ -1,5 +1,6 @@
-"""``benchmarks/moe.py --quick``: both parts run end to end on a tiny model (one process; then 2 processes at
-dp 2 with expert-parallel sizes 1 and 2) and write the result files with every row filled in."""
+"""``benchmarks/moe.py --quick``: the three parts run end to end on a tiny model (one process; then 2 processes at
+dp 2 with expert-parallel sizes 1 and 2; then the experts' grouped GEMM against their loop in one process) and
+write the result files with every row filled in."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ def test_quick_run_writes_both_tables(tmp_path):
     routers = shape["num_layers"] * shape["num_experts"] * shape["hidden_size"]
     assert moe["active_parameters"] - dense["active_parameters"] == routers
     assert dense["active_parameters"] == dense["parameters"] < moe["parameters"]
-    assert moe["profile"]["matmul_calls"] > dense["profile"]["matmul_calls"]  # the loop over experts
+    assert moe["profile"]["matmul_calls"] > dense["profile"]["matmul_calls"]  # per expert (on the CPU, also grouped)
     assert part1["step_time_ratio_moe_over_dense"] > 0
     assert re.search(r"^\| MoE \| [\d,]+ \| [\d,]+ \|", text, re.M)
     assert re.search(r"^\| dense \| [\d,]+ \| [\d,]+ \|", text, re.M)
@@ -56,3 +57,17 @@ def test_quick_run_writes_both_tables(tmp_path):
     for ep in (1, 2):
         assert re.search(rf"^\| {ep} \| [\d,]+ \(", text, re.M), f"no row for EP {ep}"
     assert "## Observations" in text
+
+    # part 3: the grouped GEMM and the loop, fp32 and bf16, one layer and the training step
+    part3 = data["grouped"]
+    assert set(part3["layer"]) == set(part3["step"]) == {"fp32", "bf16"}
+    for dtype, r in part3["layer"].items():
+        assert r["median_ms"]["loop"] > 0 and r["median_ms"]["grouped"] > 0
+        assert r["host_reads"]["loop"] == 1  # counts.tolist()
+        if part3["available"][dtype]["eager"]:
+            assert r["host_reads"]["grouped"] == 0
+            assert r["max_relative_grad_difference"] < (1e-5 if dtype == "fp32" else 5e-2)
+    for r in part3["step"].values():
+        assert len(r["step_times_s"]["loop"]) == len(r["step_times_s"]["grouped"]) == r["steps"] > 0
+    assert "## Grouped GEMM vs the per-expert loop" in text
+    assert re.search(r"^\| one MoE layer, forward \+ backward \| bf16 \| [\d.]+ \([\d.]+\) \| [\d.]+ \(", text, re.M)

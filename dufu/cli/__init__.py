@@ -45,6 +45,9 @@ commands:
   preprocess ...      tokenize text/jsonl into a memory-mapped token file (dufu preprocess -h)
   lighthouse [--bind [::]:29510] [--min-replicas N] [--join-timeout S]
                       the coordinator of fault-tolerant replica groups, train.fault_tolerance (docs/faults.md)
+  diagnose OUTPUT_DIR
+                      which rank did not join which collective, from a hung run's flight-recorder dumps
+                      (docs/faults.md)
 """
 
 
@@ -117,7 +120,7 @@ def version_text() -> str:
 COMMANDS = {"train": "dufu.cli.train", "eval": "dufu.cli.eval", "configs": "dufu.cli.configs",
             "preprocess": "dufu.data.preprocess", "convert": "dufu.cli.convert", "generate": "dufu.cli.generate",
             "plan": "dufu.cli.plan", "prune": "dufu.cli.prune", "quantize": "dufu.cli.quantize",
-            "lighthouse": "dufu.cli.lighthouse"}
+            "lighthouse": "dufu.cli.lighthouse", "diagnose": "dufu.cli.diagnose"}
 
 
 # Set when a command ended because a collective with the other ranks failed (another rank died or hung): this

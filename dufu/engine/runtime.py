@@ -121,7 +121,9 @@ class Runtime:
         """The process group, the run's device mesh and its context and expert views (one root mesh:
         :meth:`~dufu.parallel.parallel_dims.ParallelDims.build_world`), a gloo group to find unresponsive ranks when
         a collective fails (it works beside NCCL too), the context-parallel group."""
-        init_distributed(self.device, timeout_minutes=t.dist.timeout_minutes)
+        init_distributed(self.device, timeout_minutes=t.dist.timeout_minutes,
+                         startup_timeout_minutes=t.dist.startup_timeout_minutes,
+                         flight_recorder_dir=self.output_dir / "flight_recorder")
         multi = self.world_size > 1
         self.world = self.dims.build_world(self.device.type) if multi else World(None)
         self.mesh, self.expert_mesh = self.world.mesh, self.world.expert_mesh

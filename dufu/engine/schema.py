@@ -131,8 +131,12 @@ class Dist:
     custom_pipeline_stage_id: Optional[list[int]] = None
     pipeline_schedule: str = "1f1b"  # one of dufu.parallel.pipeline.SCHEDULES
     virtual_pipeline_size: int | Auto = 1
-    # A collective that waits longer than this (a dead or hung rank) stops the job with an error.
+    # A collective that waits longer than this (a dead or hung rank) stops the job with an error; from the end of
+    # the first step on (dufu.parallel.launch.enter_steady_state).
     timeout_minutes: float = 10.0
+    # The same until the first step has ended: the rendezvous, the process groups' creation, the first step's
+    # compilation and gathers (a slow node's first compile must not look like a hang). The larger of the two applies.
+    startup_timeout_minutes: float = 30.0
     # True: the planner chooses every layout key of AUTO_KEYS (as if each were "auto").
     auto: bool = False
 

@@ -38,6 +38,7 @@ from dufu.engine.runtime import Runtime
 from dufu.engine.step_stats import StepRecord, StepStats, first_non_finite, first_non_finite_loss
 from dufu.errors import CheckpointError, DistributedFailure, DufuError
 from dufu.parallel.grads import clip_grad_norm_, sync_tied_gradients
+from dufu.parallel.launch import enter_steady_state
 
 MAX_STEP_RETRIES = 1000  # a step a hook asks to take again (RetryStep) this many times stops the run
 
@@ -286,10 +287,16 @@ class Trainer:
             log.evaluation(self.evaluate())
         log.start()
         stop_reason = None
+        steady = self.runtime.world_size == 1
         while self.step < t.train_iter and not stop_reason:
             self.activity = f"at step {self.step + 1}"
             loss, grad_norm = self.train_step()
             self.step += 1
+            if not steady:  # the first step has compiled and gathered: train.dist.timeout_minutes from here on
+                steady = True
+                notice = enter_steady_state(t.dist.timeout_minutes)
+                if notice and self.runtime.is_main:
+                    self.log(f"notice: {notice}")
             self.stats.add(self.step, loss, grad_norm)
             logged = self.step % t.log_period == 0 or self.step == t.train_iter
             evaluated = self.eval_enabled and (self.step % t.evaluation.eval_period == 0 or self.step == t.train_iter)

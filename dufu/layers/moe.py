@@ -6,10 +6,31 @@
   (Qwen2-MoE's default).
 * **Experts** (:class:`GroupedExperts`): one grouped weight tensor per projection, in transformers' layout:
   ``gate_up_proj`` (E, 2F, H) and ``down_proj`` (E, H, F), a SwiGLU expert each. They take the routed tokens
-  sorted by expert with the count of each, and each expert multiplies its contiguous slice; on a GPU a grouped
-  GEMM could replace the loop over experts, the weights would not change. This interface is what expert
-  parallelism needs: :mod:`dufu.parallel.expert_parallel` splits the experts along dim 0 and sends each rank's
-  slices to the rank that holds their expert by all-to-all, around this module only.
+  sorted by expert with the count of each. This interface is what expert parallelism needs:
+  :mod:`dufu.parallel.expert_parallel` splits the experts along dim 0 and sends each rank's slices to the rank
+  that holds their expert by all-to-all, around this module only.
+* **Grouped GEMM**: the experts run as one ``torch._grouped_mm`` per projection, the experts' row offsets a
+  cumulative sum of the counts on the device, so the forward and backward never read the counts on the host (no
+  device synchronisation, no graph break under ``torch.compile``). Where torch has no such kernel for the device
+  and dtype, each expert multiplies its slice in a loop (``x.split(counts.tolist())``: one host read per layer
+  and forward). :func:`grouped_mm_available` decides, by running the kernel once per device and dtype on a small
+  probe (forward, backward, equal to the loop), and under ``torch.compile`` also asks torch's meta kernel, which
+  is what compilation traces. Measured here and expected elsewhere:
+
+  ====================================  =====================================================================
+  torch 2.13, CPU, eager                grouped: fp32, bf16, fp16 (the CPU kernel loops over the groups in C++)
+  torch 2.13, CPU, ``torch.compile``    grouped in bf16; fp32 and fp16 loop (the meta kernel takes bf16 only)
+  torch 2.11, CUDA (sm 80+)             grouped in bf16 is what torch documents; other dtypes as probed
+                                        (not verified here: no GPU)
+  a torch without ``_grouped_mm``       the loop
+  ====================================  =====================================================================
+
+  A trace on fake tensors outside ``torch.compile`` (:mod:`dufu.plan`'s) runs the loop: it answers the reads
+  of the counts with its own routing and counts the loop's GEMMs. ``GroupedExperts.grouped_mm`` (None: the
+  above) forces one path: True refuses to run without the kernel, False always loops. On the grouped path the
+  layer counts tokens per expert with ``scatter_add_`` (``bincount`` reads its largest input on a GPU, see
+  :meth:`MoE._count`); a ``capacity_factor`` still selects the kept assignments by a boolean mask, whose size
+  depends on the data (a read on a GPU, a graph break when compiled).
 * **Dropless by default**: every token reaches its ``top_k`` experts. With ``capacity_factor`` an expert takes at
   most ``ceil(capacity_factor x tokens x top_k / E)`` assignments, first come (token order) first served; the
   others are dropped (their weight is 0, the token keeps only its other experts and the residual).
@@ -34,11 +55,13 @@
 from __future__ import annotations
 
 import math
+import threading
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from dufu.layers.mlp import GatedMLP
 
@@ -48,17 +71,131 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+# (device, dtype, traced) -> whether torch._grouped_mm computes the experts there (see grouped_mm_available).
+_GROUPED_MM: dict[tuple, bool] = {}
+
+
+def grouped_mm_available(device, dtype: torch.dtype, traced: bool = False) -> bool:
+    """Whether ``torch._grouped_mm`` computes the experts on ``device`` in ``dtype``: torch has it, and on a small
+    probe its forward and backward run there and equal per-expert matmuls exactly (an empty expert included).
+    ``traced``: also under ``torch.compile``, whose fake tensors run torch's meta kernel, which may accept fewer
+    dtypes than the device's. Probed once per (device, dtype, traced); the module docstring lists the results."""
+    key = (str(torch.device(device)), dtype, traced)
+    if key not in _GROUPED_MM:
+        _GROUPED_MM[key] = _probe_grouped_mm(*key)
+    return _GROUPED_MM[key]
+
+
+def _grouped_mm_probe(device, dtype: torch.dtype) -> bool:
+    """True when the kernel's output and gradients on ``device`` equal the loop's. The values are small integers,
+    so every product and sum is exact in any float dtype and the comparison needs no tolerance."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(-2, 3, (8, 8), generator=g).to(device, dtype).requires_grad_()  # (tokens, K)
+    w = torch.randint(-2, 3, (3, 16, 8), generator=g).to(device, dtype).requires_grad_()  # (E, N, K)
+    grad = torch.randint(-2, 3, (8, 16), generator=g).to(device, dtype)
+    offs = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)  # expert 1 gets no rows
+    out = torch._grouped_mm(x, w.transpose(-2, -1), offs=offs)
+    gx, gw = torch.autograd.grad(out, (x, w), grad)
+    if device.type == "meta":
+        return out.shape == (8, 16) and gx.shape == x.shape and gw.shape == w.shape
+    ref = torch.cat([F.linear(x[0:3], w[0]), F.linear(x[3:3], w[1]), F.linear(x[3:8], w[2])])
+    rx, rw = torch.autograd.grad(ref, (x, w), grad)
+    return all(torch.equal(a, b) for a, b in ((out, ref), (gx, rx), (gw, rw)))
+
+
+# Not traced by torch.compile: a first call while compiling runs here, eagerly, once (a graph break only then).
+@torch.compiler.disable
+def _probe_grouped_mm(device: str, dtype: torch.dtype, traced: bool) -> bool:
+    """The probe of :func:`grouped_mm_available`, run in a thread of its own: autocast, grad mode, dispatch modes
+    (fake tensors, selective checkpointing's cache) and saved-tensor hooks (checkpointing) are per thread, so the
+    caller's forward neither changes the probe nor records its ops."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    devices = [torch.device(device)] + ([torch.device("meta")] if traced else [])
+    result = []
+
+    def run():
+        try:
+            result.append(all(_grouped_mm_probe(dev, dtype) for dev in devices))
+        except (RuntimeError, NotImplementedError, TypeError, ValueError):  # no kernel for this device or dtype
+            result.append(False)
+
+    thread = threading.Thread(target=run, name="dufu-grouped-mm-probe")
+    thread.start()
+    thread.join()
+    return bool(result and result[0])
+
+
+def _compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype ``F.linear`` would multiply ``x`` in: autocast's where it is on, else ``x``'s."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type) and x.is_floating_point():
+        return torch.get_autocast_dtype(device_type)
+    return x.dtype
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def grouped_swiglu(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                   dtype: torch.dtype) -> torch.Tensor:
+    """SwiGLU experts by two grouped GEMMs: ``x`` (n, H) sorted by expert, ``counts`` (E,), ``gate_up``
+    (E, 2F, H), ``down`` (E, H, F); returns (n, H) in ``dtype``.
+
+    torch's grouped GEMM wants the row stride of each operand a multiple of 16 bytes
+    (``_meta_grouped_mm_common`` in torch/_meta_registrations.py, the CUDA kernels' rule): H and F a multiple of 4
+    in fp32, of 8 in bf16. Other sizes are zero-padded to the next multiple (a copy of the weights per call):
+    padded gate and up rows give silu(0) x 0 = 0, padded columns multiply zeros, and the padded output columns
+    are cut off; the gradients of the pads are cut off by autograd alike."""
+    num_experts, two_f, h = gate_up.shape
+    if x.shape[0] == 0:
+        # No rows (an expert-parallel rank that received none): the kernel refuses empty operands. All counts are
+        # 0, so the loop runs without reading them, and its empty matmuls give the weights their zero gradients.
+        return looped_swiglu(x.to(dtype), counts, gate_up.to(dtype), down.to(dtype), sizes=[0] * num_experts)
+    f = two_f // 2
+    align = 16 // dtype.itemsize
+    hp, fp = _round_up(h, align), _round_up(f, align)
+    x, gate_up, down = x.to(dtype), gate_up.to(dtype), down.to(dtype)
+    if (hp, fp) != (h, f):
+        x = F.pad(x, (0, hp - h))  # (n, Hp)
+        gate_up = F.pad(gate_up.view(num_experts, 2, f, h), (0, hp - h, 0, fp - f)).view(num_experts, 2 * fp, hp)
+        down = F.pad(down, (0, fp - f, 0, hp - h))  # (E, Hp, Fp)
+    # The end row of each expert's slice, on the device: no host read, whatever the counts.
+    offs = counts.cumsum(0).to(torch.int32)  # (E,)
+    gate, up = torch._grouped_mm(x, gate_up.transpose(-2, -1), offs=offs).chunk(2, dim=-1)  # (n, Fp) each
+    y = torch._grouped_mm(F.silu(gate) * up, down.transpose(-2, -1), offs=offs)  # (n, Hp)
+    return y if hp == h else y[:, :h]
+
+
+def looped_swiglu(x: torch.Tensor, counts: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+                  sizes: Optional[list[int]] = None) -> torch.Tensor:
+    """The same SwiGLU experts, one pair of matmuls per expert on its slice of ``x``: the counts are read on the
+    host (``tolist``) to cut the slices, unless the caller knows them (``sizes``)."""
+    # unbind: one view per expert whose backward stacks the experts' gradients into one tensor (indexing
+    # gate_up[e] would give every expert a gradient the size of the whole grouped weight)
+    gate_up, down = gate_up.unbind(0), down.unbind(0)  # E x (2F, H), (H, F)
+    outputs = []
+    for e, chunk in enumerate(x.split(counts.tolist() if sizes is None else sizes)):  # a slice per expert
+        gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)  # (n_e, F) each
+        outputs.append(F.linear(F.silu(gate) * up, down[e]))  # (n_e, H)
+    return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts held as two grouped tensors: ``gate_up_proj`` (E, 2F, H), ``down_proj``
     (E, H, F). ``forward(x, counts)``: ``x`` (n, H) are token copies sorted by expert, ``counts`` (E,) how many
-    belong to each; returns their outputs (n, H) in the same order."""
+    belong to each; returns their outputs (n, H) in the same order. ``grouped_mm``: None runs the grouped GEMM
+    where :func:`grouped_mm_available` says so and the loop elsewhere; True the grouped GEMM (an error where torch
+    has none); False the loop."""
 
     # The parallel style: dim 0 (the experts) splits over the expert-parallel axis (dufu.parallel.expert_parallel).
     expert_parallel = True
 
-    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, init_std: float = 0.02):
+    def __init__(self, num_experts: int, hidden_size: int, ffn_hidden_size: int, init_std: float = 0.02,
+                 grouped_mm: Optional[bool] = None):
         super().__init__()
-        self.num_experts, self.init_std = num_experts, init_std
+        self.num_experts, self.init_std, self.grouped_mm = num_experts, init_std, grouped_mm
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn_hidden_size, hidden_size))
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, ffn_hidden_size))
         self.reset_parameters()
@@ -69,14 +206,30 @@ class GroupedExperts(nn.Module):
                 nn.init.normal_(w, std=self.init_std if std is None else std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        # unbind: one view per expert whose backward stacks the experts' gradients into one tensor (indexing
-        # gate_up[e] would give every expert a gradient the size of the whole grouped weight)
-        gate_up, down = _local(self.gate_up_proj).unbind(0), _local(self.down_proj).unbind(0)  # E_local x (2F, H), (H, F)
-        outputs = []
-        for e, chunk in enumerate(x.split(counts.tolist())):  # one contiguous slice per expert
-            gate, up = F.linear(chunk, gate_up[e]).chunk(2, dim=-1)  # (n_e, F) each
-            outputs.append(F.linear(F.silu(gate) * up, down[e]))  # (n_e, H)
-        return torch.cat(outputs) if outputs else x.new_zeros(0, x.shape[-1])
+        gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)  # (E_local, 2F, H), (E_local, H, F)
+        dtype = _compute_dtype(x)
+        if self._grouped(x, dtype):
+            return grouped_swiglu(x, counts, gate_up, down, dtype)
+        return looped_swiglu(x, counts, gate_up, down)
+
+    def runs_grouped(self, x: torch.Tensor) -> bool:
+        """Whether tokens like ``x`` go through the grouped GEMM (else the loop)."""
+        return self._grouped(x, _compute_dtype(x))
+
+    def _grouped(self, x: torch.Tensor, dtype: torch.dtype) -> bool:
+        if self.grouped_mm is False:
+            return False
+        compiling = torch.compiler.is_compiling()
+        if not compiling and isinstance(x, FakeTensor) and self.grouped_mm is None:
+            return False  # a trace without values outside torch.compile (dufu.plan's): see the module docstring
+        if grouped_mm_available(x.device, dtype, traced=compiling):
+            return True
+        if self.grouped_mm:
+            raise RuntimeError(
+                f"GroupedExperts(grouped_mm=True): torch {torch.__version__} has no grouped GEMM for {dtype} on "
+                f"{x.device}{' under torch.compile' if compiling else ''} (grouped_mm_available is False). Leave "
+                "grouped_mm=None to loop over the experts where it is missing.")
+        return False
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -94,7 +247,11 @@ class _AttachAuxLoss(torch.autograd.Function):
 
 
 def _in_backward() -> bool:
-    """True while autograd runs a backward (activation checkpointing recomputing a forward)."""
+    """True while autograd runs a backward (activation checkpointing recomputing a forward). False while
+    torch.compile traces: a compiled block recomputes inside its compiled backward, without running this Python
+    again (and asking autograd here would break the graph)."""
+    if torch.compiler.is_compiling():
+        return False
     return torch._C._current_graph_task_id() != -1
 
 
@@ -162,7 +319,7 @@ class MoE(nn.Module):
         order = chosen.argsort(stable=True)  # kept assignments grouped by expert, token order within each
         assignment = assignment[order]
         token = assignment // self.top_k  # (n,): the token of each sorted assignment
-        counts = torch.bincount(chosen, minlength=self.num_experts)  # (E,)
+        counts = self._count(chosen, x)  # (E,)
         y = self.experts(x[token], counts)  # (n, H)
         w = weights.flatten()[assignment].to(y.dtype)[:, None]  # (n, 1)
         out = x.new_zeros(x.shape, dtype=y.dtype).index_add_(0, token, y * w)  # y: the experts' (autocast) dtype
@@ -178,6 +335,16 @@ class MoE(nn.Module):
         if aux.requires_grad:
             out = _AttachAuxLoss.apply(out, aux, self.aux_loss_grad_scale)
         return out.view(shape)
+
+    def _count(self, chosen: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """(E,) kept assignments per expert. ``bincount`` sizes its output by the largest value, which it reads on
+        the host on a GPU and which torch.compile cannot trace in one graph; ``scatter_add_`` does neither, and
+        the grouped GEMM counts with it. The loop, which reads the counts anyway, keeps ``bincount``: a trace
+        without values (:mod:`dufu.plan`) answers it with its balanced routing."""
+        if self.experts.runs_grouped(x):
+            return torch.zeros(self.num_experts, dtype=torch.long, device=chosen.device).scatter_add_(
+                0, chosen, torch.ones_like(chosen))
+        return torch.bincount(chosen, minlength=self.num_experts)
 
     def pop_stats(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """[(auxiliary loss, tokens per expert (E,))] of each training forward since the last call, in order."""

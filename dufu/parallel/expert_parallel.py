@@ -13,7 +13,10 @@ stays dp x tp x pp, and the ``data`` axis of ``dp`` ranks is seen as ``expert_da
 * **Tokens travel by all-to-all** around the experts module only (:class:`ExpertDispatch`): every rank routes
   its own tokens (the router is replicated), sends each token copy to the rank holding its expert
   (``all_to_all_single``, uneven splits, differentiable), the local experts run, and the outputs come back by
-  the reverse all-to-all. Token counts are exchanged first (a fixed-size all-to-all of E integers).
+  the reverse all-to-all. Token counts are exchanged first (a fixed-size all-to-all of E integers); the rows
+  sent to and received from each peer are then read on the host as one tensor, once per layer and forward (the
+  all-to-all takes its split sizes as Python ints; a recomputation reads again): the layer's only read of the
+  counts, the experts reading none where torch has a grouped GEMM (:mod:`dufu.layers.moe`).
 * **Gradients**: an expert's gradient already sums over the ``ep`` ranks whose tokens it served; the
   data-parallel reduction of expert parameters runs over ``expert_data`` only (FSDP2 or ``replicate`` on that
   axis, applied before the blocks' own units, which then leave the experts out) and averages over its
@@ -34,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed._functional_collectives import all_to_all_single_autograd
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import Shard, distribute_module, distribute_tensor
 
 from dufu.errors import LayoutError
@@ -87,15 +90,19 @@ class ExpertDispatch:
         local = counts.numel() // self.ep
         received = torch.empty_like(counts)  # (ep x local,): from each peer, its counts for my experts
         dist.all_to_all_single(received, counts, group=self.group)
-        send = counts.view(self.ep, local).sum(1).tolist()
         recv_blocks = received.view(self.ep, local)  # (peer, local expert)
-        recv = recv_blocks.sum(1).tolist()
+        # The one host read of the layer: the all-to-all takes its split sizes as Python ints. The rows sent to
+        # and received from each peer are read together, one (2, ep) tensor, one synchronisation per dispatch.
+        split_sizes = torch.stack([counts.view(self.ep, local).sum(1), recv_blocks.sum(1)])  # (2, ep)
+        send, recv = split_sizes.tolist()
         y = all_to_all_single_autograd(x, recv, send, self.group)  # (m, H): peer-major, then expert
         # Peer-major -> expert-major: the start of each (peer, expert) block, then its rows in expert order.
         sizes = recv_blocks.flatten()
         starts = (sizes.cumsum(0) - sizes).view(self.ep, local).t().flatten()  # expert-major blocks
         lengths = recv_blocks.t().flatten()
-        block_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths)
+        # output_size: the rows received, known from the read above (repeat_interleave would read it again on a GPU)
+        block_of_row = torch.repeat_interleave(torch.arange(lengths.numel(), device=x.device), lengths,
+                                               output_size=sum(recv))
         first_row = lengths.cumsum(0) - lengths
         order = starts[block_of_row] + torch.arange(block_of_row.numel(), device=x.device) - first_row[block_of_row]
         self._saved.append((order, send, recv))
@@ -134,14 +141,17 @@ def apply_expert_parallel(model: nn.Module, ep_mesh) -> nn.Module:
     return model
 
 
-def apply_expert_data_parallel(model: nn.Module, expert_data_mesh, zero_stage) -> None:
+def apply_expert_data_parallel(model: nn.Module, expert_data_mesh, zero_stage,
+                               mp_policy: MixedPrecisionPolicy | None = None) -> None:
     """The data-parallel units of the experts on ``expert_data`` (before the blocks' units, which then leave them
-    out); see the module docstring."""
+    out); see the module docstring. ``mp_policy``: FSDP2's mixed precision for those units (None: FSDP2's
+    default, fp32)."""
+    kwargs = {} if mp_policy is None else {"mp_policy": mp_policy}
     for _, experts in expert_modules(model):
         if zero_stage:
-            fully_shard(experts, mesh=expert_data_mesh, reshard_after_forward=zero_stage >= 3)
+            fully_shard(experts, mesh=expert_data_mesh, reshard_after_forward=zero_stage >= 3, **kwargs)
         else:
-            replicate(experts, mesh=expert_data_mesh)
+            replicate(experts, mesh=expert_data_mesh, **kwargs)
         _allow_bare_copies([experts])  # it owns its parameters: materialize_ copies it bare
         if zero_stage and dist.get_backend(expert_data_mesh.get_group()) == "gloo":
             experts.set_custom_reduce_scatter(InPlaceReduceScatter())
