@@ -37,10 +37,12 @@ from dufu.engine.loss_scaler import DynamicLossScaler
 from dufu.engine.moe_monitor import MoEMonitor
 from dufu.engine.precision import agree, choose_precision
 from dufu.engine.preflight import model_to_split, plan_run
+from dufu.errors import ConfigError
 from dufu.parallel import env
 from dufu.parallel.build import build_model_parts
 from dufu.parallel.compile import CompileWatch, decide_compile
 from dufu.parallel.context_parallel import build_context_parallel
+from dufu.parallel.data_parallel import mixed_precision_policy
 from dufu.parallel.launch import init_distributed
 from dufu.parallel.materialize import supports_meta_init
 from dufu.parallel.parallel_dims import World
@@ -149,6 +151,10 @@ class Runtime:
     # ------------------------------------------------------------- the model
     def _build_parts(self, model, stage_ids):
         t, zero = self.cfg.train, self.cfg.train.zero_optimization
+        try:  # checked in every layout (the dtype words by the schema), used under data parallelism
+            mp_policy = mixed_precision_policy(self.amp_dtype, t.amp.param_dtype, t.amp.reduce_dtype)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         parts = build_model_parts(
             model, self.mesh, self.device, stage_ids=stage_ids, meta_init=self.meta_init, seed=t.seed,
             pretrained=self.pretrained.source,
@@ -162,6 +168,7 @@ class Runtime:
             data_parallel=self.dims.dp_enabled, zero_stage=zero.stage if zero.enabled else None,
             activation_checkpoint=t.activation_checkpoint.mode if t.activation_checkpoint.enabled else None,
             compile=self.compile.enabled, expert_mesh=self.expert_mesh, context_parallel=self.cp,
+            mp_policy=mp_policy,
         )
         if self.pretrained.checkpoint is not None:  # each rank reads the chunks of its own shards (DCP)
             ckpt = self.pretrained.checkpoint
@@ -182,10 +189,13 @@ class Runtime:
         also hold for the loss's backward (while autocast should not). Not to be nested in itself."""
         ctx = contextlib.ExitStack()
         if self.amp_dtype is not None and amp:
-            # Under ZeRO-3 every block's weights are gathered for its forward and freed after it; autocast's cache
-            # would keep a low-precision copy of each gathered weight until the forward ends, 2 bytes per
-            # parameter of the whole model on every rank (dufu.plan.memory.autocast_caches_weights). Without it,
-            # a block's copies live as long as its backward needs them (none under full recomputation).
+            # Under data parallelism FSDP gathers every weight in the compute dtype (train.amp.param_dtype,
+            # dufu.parallel.data_parallel.mixed_precision_policy): autocast's casts of them are no-ops and cache
+            # nothing. With train.amp.param_dtype=fp32 under ZeRO-3, every block's weights are gathered for its
+            # forward and freed after it; autocast's cache would keep a low-precision copy of each gathered weight
+            # until the forward ends, 2 bytes per parameter of the whole model on every rank
+            # (dufu.plan.memory.autocast_caches_weights). Without it, a block's copies live as long as its
+            # backward needs them (none under full recomputation).
             zero3 = self.cfg.train.zero_optimization.enabled and self.cfg.train.zero_optimization.stage >= 3
             ctx.enter_context(torch.autocast(self.device.type, dtype=self.amp_dtype, cache_enabled=not zero3))
         if self.dims.tp_enabled and loss:

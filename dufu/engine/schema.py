@@ -59,6 +59,13 @@ class Amp:
     loss_scaler: LossScaler = field(default_factory=LossScaler)
     # Cast each weight to the autocast dtype once per step, not once per micro-batch (not under ZeRO-3).
     cache_weight_casts: bool = True
+    # Data parallelism and ZeRO (FSDP2's MixedPrecisionPolicy, dufu.parallel.data_parallel.mixed_precision_policy):
+    # the dtype the blocks' parameters are gathered in, "auto" (the compute dtype: each weight cast once per
+    # gather, not by autocast in every forward; fp32 when the run computes in fp32), "fp32", or the compute dtype
+    # ("bf16" | "fp16"); the sharded parameters stay fp32 (the optimizer's master weights).
+    param_dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
+    # ... and the dtype gradients are reduced (reduce-scattered or all-reduced) in: "fp32", or the compute dtype.
+    reduce_dtype: Literal["fp32", "bf16", "fp16"] = "fp32"
 
 
 @dataclass

@@ -57,12 +57,13 @@ from torch import nn
 
 from dufu.layers.attention import Attention
 from dufu.models.base import contract_of
+from dufu.torch_versions import has_single_functional_collectives
 
 # torch 2.13 names the functional collectives ``all_gather_single``/``reduce_scatter_single`` and warns on the old
 # ``*_tensor`` names, which torch 2.11 (the GPU machines') still has alone.
-_HAS_SINGLE_COLLECTIVES = hasattr(funcol, "all_gather_single")
-_all_gather = funcol.all_gather_single if _HAS_SINGLE_COLLECTIVES else funcol.all_gather_tensor
-_reduce_scatter = funcol.reduce_scatter_single if _HAS_SINGLE_COLLECTIVES else funcol.reduce_scatter_tensor
+_all_gather = funcol.all_gather_single if has_single_functional_collectives() else funcol.all_gather_tensor
+_reduce_scatter = (funcol.reduce_scatter_single if has_single_functional_collectives()
+                   else funcol.reduce_scatter_tensor)
 
 
 class ContextParallel:

@@ -37,6 +37,17 @@ head unit of its own would reduce its gradient at the start of backward, on top 
 
 On gloo (CPU), gradients are reduce-scattered by :class:`InPlaceReduceScatter`.
 
+**Mixed precision** (:func:`mixed_precision_policy`, torchtitan's recipe on FSDP2's ``MixedPrecisionPolicy``): when
+the run computes in bf16 or fp16 under autocast, every unit gathers its parameters in that dtype
+(``train.amp.param_dtype``) and reduces its gradients in fp32 (``train.amp.reduce_dtype``). Each weight is cast
+once per gather, on its shard, instead of by autocast in every forward, and the gathered copy is half the size;
+autocast stays on, and its casts of these weights are no-ops. The sharded parameters stay fp32: they are the
+optimizer's master weights, and gradients arrive on them in fp32. A unit's floating-point inputs are cast to the
+compute dtype too (FSDP's ``cast_forward_inputs``), so the residual stream between blocks is bf16 / fp16, where
+one process under autocast keeps it in fp32 (the parity tests' tolerances cover both): CPU's ``layer_norm`` takes
+a bf16 input with fp32 weights but not an fp32 input with bf16 weights (CUDA's autocast runs norms in fp32
+either way), and in a block every norm's weight is gathered in bf16.
+
 Were the root to hold embeddings, head and final norm under stage 3, they would stay gathered from the first
 forward op to the last backward op, and the tied embedding/head weight's two gradients would be summed in
 full size until the end of backward. One parameter cannot live in two FSDP units, so a tied head
@@ -56,11 +67,52 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed._composable.replicate_with_fsdp import replicate
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from dufu.models.base import contract_of
 from dufu.parallel.parallelize_utils import transformer_blocks
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PARAM_DTYPES = ("auto", *DTYPES)
+REDUCE_DTYPES = tuple(DTYPES)
+
+
+def mixed_precision_policy(compute_dtype: torch.dtype | None, param_dtype: str = "auto",
+                           reduce_dtype: str = "fp32") -> MixedPrecisionPolicy | None:
+    """The policy of the FSDP units for a run computing in ``compute_dtype`` (None: fp32), gathering in
+    ``param_dtype`` ("auto": the compute dtype) and reducing gradients in ``reduce_dtype``; None where both are
+    fp32 (FSDP's default). Raises ValueError, saying what to write instead, for a gather dtype that is neither
+    fp32 nor the compute dtype (autocast would cast the gathered weights again, rounding them twice) and for a
+    reduction in a low-precision dtype the run does not compute in (fp16 gradients would overflow unscaled)."""
+    if param_dtype not in PARAM_DTYPES:
+        raise ValueError(f"train.amp.param_dtype = {param_dtype!r} is not a dtype name; use one of {PARAM_DTYPES} "
+                         "(e.g. train.amp.param_dtype=auto: the dtype the run computes in).")
+    if reduce_dtype not in REDUCE_DTYPES:
+        raise ValueError(f"train.amp.reduce_dtype = {reduce_dtype!r} is not a dtype name; use one of "
+                         f"{REDUCE_DTYPES} (e.g. train.amp.reduce_dtype=fp32).")
+    compute = compute_dtype or torch.float32
+    compute_name = next(n for n, d in DTYPES.items() if d == compute)
+    param = compute if param_dtype == "auto" else DTYPES[param_dtype]
+    reduce = DTYPES[reduce_dtype]
+    if param not in (torch.float32, compute):
+        raise ValueError(
+            f"train.amp.param_dtype = {param_dtype!r}, but the run computes in {compute_name}: FSDP gathers the "
+            f"parameters in fp32 or in the compute dtype. Use train.amp.param_dtype=auto (or fp32), or make the "
+            f"run compute in {param_dtype} (train.amp.enabled={param_dtype}).")
+    if reduce not in (torch.float32, compute):
+        raise ValueError(
+            f"train.amp.reduce_dtype = {reduce_dtype!r}, but the run computes in {compute_name}: gradients are "
+            f"reduced in fp32 or in the compute dtype. Use train.amp.reduce_dtype=fp32.")
+    if param == torch.float32 and reduce == torch.float32:
+        return None
+    # reduce_dtype None would reduce in param_dtype; inputs are cast to param_dtype (see the module docstring)
+    return MixedPrecisionPolicy(param_dtype=None if param == torch.float32 else param, reduce_dtype=reduce)
+
+
+def _policy_kwargs(mp_policy: MixedPrecisionPolicy | None) -> dict:
+    return {} if mp_policy is None else {"mp_policy": mp_policy}
 
 
 def describe_zero_stage(stage: int) -> str:
@@ -201,11 +253,10 @@ class InPlaceReduceScatter:
         return None
 
 
-def apply_fsdp(model: nn.Module, dp_mesh, stage: int, mp_policy=None) -> nn.Module:
-    """ZeRO ``stage`` (1, 2 or 3) on ``dp_mesh`` with the units of the module docstring."""
-    kwargs = {"mesh": dp_mesh}
-    if mp_policy is not None:
-        kwargs["mp_policy"] = mp_policy
+def apply_fsdp(model: nn.Module, dp_mesh, stage: int, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """ZeRO ``stage`` (1, 2 or 3) on ``dp_mesh`` with the units of the module docstring, each with ``mp_policy``
+    (:func:`mixed_precision_policy`; None: gather and reduce in the parameters' dtype)."""
+    kwargs = {"mesh": dp_mesh, **_policy_kwargs(mp_policy)}
     # Under stages 1 and 2 every block stays gathered from its forward to its backward anyway; a head unit of
     # its own would reduce its gradient at the start of backward, on top of all of them (measured: +11 MiB at
     # dp2 on the benchmark's model), so the root keeps the embeddings, final norm and head there.
@@ -236,8 +287,9 @@ def apply_fsdp(model: nn.Module, dp_mesh, stage: int, mp_policy=None) -> nn.Modu
     return model
 
 
-def apply_replicate(model: nn.Module, dp_mesh) -> nn.Module:
+def apply_replicate(model: nn.Module, dp_mesh, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
+    """Data parallelism without ZeRO on ``dp_mesh``, every unit with ``mp_policy`` (as :func:`apply_fsdp`)."""
     for _, block in transformer_blocks(model):
-        replicate(block, mesh=dp_mesh)
-    replicate(model, mesh=dp_mesh)
+        replicate(block, mesh=dp_mesh, **_policy_kwargs(mp_policy))
+    replicate(model, mesh=dp_mesh, **_policy_kwargs(mp_policy))
     return model

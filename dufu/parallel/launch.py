@@ -12,6 +12,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from dufu.torch_versions import torchrun_has_shutdown_timeout
 from dufu.parallel import env
 
 
@@ -163,7 +164,8 @@ def torchrun_command(nproc: int, argv: list[str], nnodes: str | None = None, nod
         cmd.append(f"--master-port={master_port}")
     if max_restarts is not None:
         cmd.append(f"--max-restarts={max_restarts}")
-    if shutdown_timeout is not None:  # how long a signalled worker may take to save and stop
+    # how long a signalled worker may take to save and stop; torch 2.11's torchrun has no such flag (a fixed 30 s)
+    if shutdown_timeout is not None and torchrun_has_shutdown_timeout():
         cmd.append(f"--shutdown-timeout={int(shutdown_timeout)}")
     if command == "train":  # the agent passes these on to the workers, which save and stop (engine.preemption)
         cmd.append("--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")

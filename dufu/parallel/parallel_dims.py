@@ -166,10 +166,11 @@ class ParallelDims:
           root mesh), everything else on the 3-D mesh.
         """
         mesh = self.build_mesh(device_type)
-        context = (mesh._unflatten("data", (self.data_parallel_size, self.context_parallel_size),
+        # the data axis by index (1): torch 2.11's _unflatten refuses an axis given by name (fixed in 2.12)
+        context = (mesh._unflatten(1, (self.data_parallel_size, self.context_parallel_size),
                                    ("samples", "context")) if self.cp_enabled else None)
         ep = self.expert_parallel_size
-        expert = (mesh._unflatten("data", (self.data_parallel_size // ep, ep), ("expert_data", "expert"))
+        expert = (mesh._unflatten(1, (self.data_parallel_size // ep, ep), ("expert_data", "expert"))
                   if self.ep_enabled else None)
         return World(mesh, context, expert)
 

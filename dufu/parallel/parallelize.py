@@ -33,6 +33,7 @@ def parallelize(
     compile: bool = False,
     expert_mesh=None,
     context_parallel=None,
+    mp_policy=None,
 ) -> nn.Module:
     """Apply, in this order: TP (+SP) on ``mesh["tensor"]``, activation checkpointing, compile, then
     data parallelism on ``mesh["data"]``: FSDP2 for ZeRO stages 1-3, ``replicate`` (DDP) without ZeRO.
@@ -42,6 +43,8 @@ def parallelize(
     ``mesh`` is the stage's (data, tensor) DeviceMesh; it may be None on one process. ``expert_mesh``: the
     stage's ("expert_data", "expert") mesh under expert parallelism (:mod:`dufu.parallel.expert_parallel`),
     else None. ``context_parallel``: the rank's :class:`~dufu.parallel.context_parallel.ContextParallel`, or None.
+    ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` for every data-parallel unit (the experts' too)
+    (:func:`dufu.parallel.data_parallel.mixed_precision_policy`), None to gather and reduce in fp32.
     """
     if tensor_parallel:
         # DTensor's and FSDP's modules (~1 s) load when a layout uses them, not with `import dufu.parallel`
@@ -80,9 +83,9 @@ def parallelize(
         if expert_mesh is not None:  # the experts' units first, on their own axis; the blocks' leave them out
             from dufu.parallel.expert_parallel import apply_expert_data_parallel  # DTensor: only under EP
 
-            apply_expert_data_parallel(model, expert_mesh["expert_data"], zero_stage)
+            apply_expert_data_parallel(model, expert_mesh["expert_data"], zero_stage, mp_policy=mp_policy)
         if zero_stage:
-            apply_fsdp(model, mesh["data"], zero_stage)
+            apply_fsdp(model, mesh["data"], zero_stage, mp_policy=mp_policy)
         else:
-            apply_replicate(model, mesh["data"])
+            apply_replicate(model, mesh["data"], mp_policy=mp_policy)
     return model

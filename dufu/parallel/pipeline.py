@@ -196,7 +196,7 @@ def split_pipeline_batch(model: nn.Module, inputs: dict, main_input_name: str) -
     prepare = contract_of(model).prepare_decoder_input_ids_from_labels
     if prepare is not None and "decoder_input_ids" not in inputs and labels is not None:
         inputs["decoder_input_ids"] = prepare(labels=labels)
-    first = (inputs.pop(main_input_name),)
+    first = (inputs.pop(main_input_name).contiguous(),)  # torch 2.11's stages compare input strides with the example's
     return first, inputs, target
 
 

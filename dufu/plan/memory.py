@@ -32,6 +32,10 @@ layout (tensor-parallel kinds, micro-batch size):
   gradient (``set_requires_gradient_sync(False)``, as dufu's trainer sets it). ``replicate`` (DDP) copies a
   unit's gradient into an all-reduce buffer and, while gradients accumulate, keeps the accumulated one apart from
   the one being computed (measured: 4 B more per parameter);
+* under ZeRO with bf16 or fp16, FSDP2 gathers every unit in the compute dtype, 2 B per parameter
+  (``train.amp.param_dtype``'s default, :func:`dufu.parallel.data_parallel.mixed_precision_policy`,
+  :func:`low_precision_units`): autocast makes no copy of the weights, the full-size gradients are 2 B per
+  parameter and their reduce-scatter input 4 B (reduced in fp32), gradients accumulated over micro-batches 4 B;
 * communication buffers: FSDP units' gathered parameters (stages 1-2: each block from its forward to its backward,
   the root unit - embeddings, head, final norm - for the whole step; stage 3: a block during its forward (on a
   GPU together with the next one, whose all-gather FSDP2 issues while the host runs ahead), and during its backward
@@ -152,7 +156,7 @@ def in_flight(layout: Layout, rank: int) -> float:
 class _Units:
     """The FSDP units of one rank's parts and when their parameters are gathered."""
 
-    def __init__(self, info: ModelInfo, parts: list[int], layout: Layout):
+    def __init__(self, info: ModelInfo, parts: list[int], layout: Layout, low: bool = False):
         self.info, self.parts = info, parts
         tp, stage, ep = layout.tensor_parallel_size, layout.zero_stage, layout.expert_parallel_size
         last = len(info.parts) - 1
@@ -186,6 +190,10 @@ class _Units:
             self.bytes_of["root"] = sum(4.0 * part_elems(info, p, tp) for p in ends)
             for p in ends:
                 self.unit_of[p] = "root"
+        # ``low`` (a bf16 / fp16 run, :func:`low_precision_units`): every unit is gathered in the compute dtype
+        self.low: set = set(self.bytes_of) if low else set()
+        if low:
+            self.bytes_of = {u: n / 2 for u, n in self.bytes_of.items()}
 
 
 def estimate_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup,
@@ -224,7 +232,7 @@ def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, ra
     if zero >= 3 and info.tied and pp == 1:
         static["parameters"] += 4.0 * info.tied_elems / tp / dp  # the output unit's sharded copy
         static["optimizer"] += 0.0  # the copy is left out of the optimizer (TiedCopies)
-    units = _Units(info, parts, layout) if zero else None
+    units = _Units(info, parts, layout, low=low_precision_units(layout, setup)) if zero else None
     if zero and pp > 1:
         static["communication"] += sum(units.bytes_of.values())  # torch's stages keep units gathered
     cast_cache = trace_dtype_low(setup) and (
@@ -267,10 +275,20 @@ def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, ra
 def autocast_caches_weights(layout: Layout) -> bool:
     """Whether the run's autocast keeps its cache of low-precision weight copies for the whole forward, as
     ``dufu.engine.runtime.Runtime.autocast`` enters ``torch.autocast``: with the cache, except under ZeRO-3. With
-    the cache every block's copy is alive when the forward ends; under ZeRO-3 that would be a copy of every
-    gathered weight (2 B per parameter of the whole model, not of a shard), so the runtime turns it off there.
+    the cache every block's copy is alive when the forward ends; under ZeRO-3 with fp32 gathers
+    (``train.amp.param_dtype=fp32``) that would be a copy of every gathered weight (2 B per parameter of the whole
+    model, not of a shard), so the runtime turns it off there. (With the default gathers in the compute dtype the
+    weights need no copy at all: :func:`low_precision_units`.)
     Measured: tests/plan/test_plan_fsdp_measured.py."""
     return layout.zero_stage < 3
+
+
+def low_precision_units(layout: Layout, setup: Setup) -> bool:
+    """Whether ZeRO's units are gathered in the compute dtype: a bf16 / fp16 run under ZeRO, with
+    ``train.amp.param_dtype`` at its default ("auto"; :func:`dufu.parallel.data_parallel.mixed_precision_policy`).
+    Their weights then need no autocast copy, their full-size gradients are in the compute dtype, and they are
+    reduced in fp32. (``Setup`` does not carry ``param_dtype``: a run with ``param_dtype=fp32`` is planned as this.)"""
+    return bool(layout.zero_stage) and trace_dtype_low(setup)
 
 
 def trace_dtype_low(setup: Setup) -> bool:
@@ -315,14 +333,15 @@ def _held_cast(trace: Trace, sid: int) -> bool:
             and died[1] == "fwd" and died[0] != born[0])
 
 
-def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool, accumulated: bool) -> tuple:
+def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool, accumulated: bool,
+             low: bool = False) -> tuple:
     """One traced part's events in one phase, summarised for the replay: (net change per counter, the largest
     excursion of the total above its starting value, the counters at that moment, the part's own gradients, of
     those the MoE experts'). Computed once per traced part, phase and the layout's sizes. Weight casts autocast's
     cache keeps (:func:`_held_cast`) count as ``held`` where they are made, and their frees are left to the end of
     the forward (:func:`_replay`)."""
     key = (q, phase, layout.micro_batch_size, layout.tensor_parallel_size, layout.sequence_parallel, cast_cache,
-           accumulated)
+           accumulated, low)
     cache = trace._segments
     if key in cache:
         return cache[key]
@@ -334,7 +353,7 @@ def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool,
         s = storages[sid]
         n = _storage_bytes(trace, sid, layout)
         if s.category == "wcast":
-            if cast_cache:
+            if cast_cache or low:  # low: the weights are gathered in the compute dtype, autocast copies nothing
                 continue
             if _held_cast(trace, sid):
                 if sign < 0:
@@ -343,6 +362,8 @@ def _segment(trace: Trace, q: int, phase: str, layout: Layout, cast_cache: bool,
             else:
                 k = "wcast"
         elif s.category == "grad":
+            if low:
+                n /= 2  # the gradient of a parameter gathered in bf16 / fp16 (traced: fp32's)
             if accumulated:
                 if sign > 0:  # added to the accumulated gradient, then freed: a moment's extra
                     value = sum(run.values()) + n
@@ -438,7 +459,8 @@ def _replay(info, trace, layout, parts, events, static, units, *, accumulated: b
                     gather(unit)
                     if nxt is not None and info.parts[nxt].kind == "block":
                         gather(units.unit_of[nxt])  # FSDP2's backward prefetch of the next unit
-            net, excursion, at, grads, experts = _segment(trace, q, phase, layout, cast_cache, accumulated)
+            low = units is not None and unit in units.low
+            net, excursion, at, grads, experts = _segment(trace, q, phase, layout, cast_cache, accumulated, low)
             if not saved_only and excursion > 0:
                 value = base_total + sum(c.values()) + excursion
                 if value > best[0]:
@@ -509,6 +531,11 @@ def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync
         else:
             grads = {q: max(part_grads.get(q, 0.0), 0.0) for q in members}
             experts = {q: max(expert_grads.get(q, 0.0), 0.0) for q in members}
+        held = dict(grads)  # the bytes the full-size gradients take
+        if not accumulated and unit in units.low:
+            # in the compute dtype (2 B), copied into an fp32 reduce-scatter input, whose shard the rank keeps
+            grads = {q: 2.0 * g for q, g in grads.items()}
+            experts = {q: 2.0 * e for q, e in experts.items()}
         full = sum(grads.values())
         if full:
             c["comm"] -= part_grads.pop("reduce-scatter input", 0.0)  # the previous unit's buffer is reclaimed
@@ -520,7 +547,7 @@ def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync
             e = min(experts[q], g)
             # the experts' shard is 1 / (dp / ep) of their gradients (over expert_data), the rest's 1 / dp
             kept = g / dp if not e or ep == 1 else (g - e) / dp + e / (dp // ep)
-            c["grad"] -= g - kept
+            c["grad"] -= held[q] - kept
             if not accumulated:
                 part_grads[q] = kept
     if unit != "embeddings" or zero < 3:

@@ -5,9 +5,13 @@ gpt_debug, fixed global batch 8, 5 steps, evaluated before and after training.
 * fp32, every layout: the logged training losses, gradient norms, eval_loss and eval_ppl equal the
   single-process ones within 1e-5 relative, and the weights after the last step match (tests/parity.py derives
   the bound).
-* bf16 and fp16 (autocast, fp32 master weights) in dp2, tp2, pp2 and dp2 ZeRO-3, each against one process in
-  the same dtype, within the tolerances derived for that arithmetic in tests/parity.py (PRECISIONS). fp16 runs
-  with dynamic loss scaling; the scaler's growth and backoff are checked in test_loss_scaling.py.
+* bf16 and fp16 (autocast, fp32 master weights) in dp2, tp2, pp2 and dp2 ZeRO-2 and ZeRO-3 (ZeRO-1 runs ZeRO-2's
+  code), each against one process in the same dtype, within the tolerances derived for that arithmetic in
+  tests/parity.py (PRECISIONS). fp16 runs with dynamic loss scaling; the scaler's growth and backoff are checked in
+  test_loss_scaling.py. Under data parallelism FSDP2's mixed-precision policy gathers the blocks in the compute
+  dtype and reduces in fp32 (dufu.parallel.data_parallel.mixed_precision_policy): a hook (precision_probe.py)
+  records that the blocks' weights and inputs and the embedding tables are bf16 / fp16 while they run, and the
+  sharded parameters and their gradients fp32.
 * plain SGD without clipping (tests/parity.py's SGD_ARGS) in one layout per way a gradient gets scaled, where
   a gradient off by a constant factor also changes the weights and the losses.
 * the check sees a gradient scale bug: a layout with every gradient x2, or only the replicated parameters'
@@ -20,8 +24,11 @@ from __future__ import annotations
 
 import pytest
 
+import json
+
 from parity import (EVAL_ARGS, SGD_ARGS, Spec, assert_losses_match, assert_matches_reference,
                     assert_sgd_weights_match, scale_gradients)
+from precision_probe import probe_dtypes
 
 pytestmark = pytest.mark.multiprocess
 
@@ -64,11 +71,14 @@ def test_layout_matches_single_process(layout, parity_reference, layout_runs):
 
 # Mixed precision: 2 processes each; the single-process reference runs in the same dtype.
 PRECISION_LAYOUTS = {
-    "dp2": [DP2],
+    "dp2": [DP2, probe_dtypes()],
     "tp2": [TP2],
     "pp2": [PP2],
-    "dp2-zero3": [DP2, ZERO, "train.zero_optimization.stage=3"],
+    "dp2-zero2": [DP2, ZERO, "train.zero_optimization.stage=2", probe_dtypes()],
+    "dp2-zero3": [DP2, ZERO, "train.zero_optimization.stage=3", probe_dtypes()],
 }
+TORCH_NAMES = {"bf16": "bfloat16", "fp16": "float16"}
+PROBED = [layout for layout, overrides in PRECISION_LAYOUTS.items() if probe_dtypes() in overrides]
 
 
 def amp_args(dtype: str) -> tuple[str, str]:
@@ -120,6 +130,7 @@ RUNS = {
 def layout_runs(shared_runs):
     return shared_runs(RUNS, uses={
         "test_mixed_precision_layout_matches_single_process": lambda p: f"{p['dtype']}-{p['layout']}",
+        "test_data_parallel_gathers_blocks_in_the_compute_dtype": lambda p: f"{p['dtype']}-{p['layout']}",
         "test_sgd_layout_matches_single_process": lambda p: f"sgd-{p['layout']}",
         "test_parity_check_fails_on_a_gradient_scale_bug": lambda p: f"bug-{p['bug']}"})
 
@@ -134,6 +145,28 @@ def test_mixed_precision_layout_matches_single_process(dtype, layout, parity_ref
         assert [r["loss_scale"] for r in got.train.values()] == [r["loss_scale"] for r in reference.train.values()]
         assert [r["skipped_steps"] for r in got.train.values()] == [r["skipped_steps"] for r in reference.train.values()]
     assert_matches_reference(got, reference, f"{dtype} {layout}", precision=dtype)
+
+
+@pytest.mark.parametrize("layout", PROBED)
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_data_parallel_gathers_blocks_in_the_compute_dtype(dtype, layout, layout_runs):
+    """FSDP2's policy (replicate's too): every block's weights and its input are in the compute dtype while it
+    runs, gathered (plain tensors, not the sharded DTensors), and so are the embedding tables; the sharded
+    parameters the optimizer updates and their gradients are fp32."""
+    out = layout_runs.output_dir(f"{dtype}-{layout}")
+    ranks = [json.loads(f.read_text()) for f in sorted(out.glob("dtypes-rank*.json"))]
+    assert len(ranks) == 2, f"{layout}: {sorted(p.name for p in out.iterdir())}"
+    for seen in ranks:
+        blocks = {k: v for k, v in seen["forward"].items() if not k.startswith("embedding")}
+        embeddings = {k: v for k, v in seen["forward"].items() if k.startswith("embedding")}
+        assert len(blocks) == 2 and embeddings, seen["forward"]  # gpt_debug: 2 blocks, wte and wpe
+        for name, rec in blocks.items():
+            assert rec == {"weight": TORCH_NAMES[dtype], "gathered": True, "input": TORCH_NAMES[dtype]}, (name, rec)
+        for name, rec in embeddings.items():
+            assert rec["weight"] == TORCH_NAMES[dtype] and rec["gathered"], (name, rec)
+        assert seen["sharded"]["params"] == seen["sharded"]["grads"] == ["float32"], seen["sharded"]
+        if layout != "dp2":
+            assert seen["sharded"]["dtensors"], seen["sharded"]
 
 
 @pytest.mark.parametrize("layout", list(SGD_LAYOUTS))

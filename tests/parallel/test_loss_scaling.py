@@ -7,6 +7,8 @@ overflow the scaler skips): a deterministic overflow. metrics.jsonl must show
 the scale grow (x2 after steps 2 and 6), back off at the overflow (x0.5, step 4 skipped and counted) and the
 run go on; dp2, tp2 and pp2 log the same scales, skips and (fp16) losses as one process, and end with its
 weights. 256 keeps every scaled gradient far from fp16's overflow (65504): the only overflow is the injected one.
+A run without the fault starts ZeRO-3 at a scale that overflows inside the backward: the overflow FSDP's fp32
+reduction carries must reach the scaler as well.
 """
 
 from __future__ import annotations
@@ -38,8 +40,9 @@ def fp16_reference(reference_run):
 @pytest.fixture(scope="module")
 def fp16_runs(shared_runs):
     """The layouts' runs in one launch (tests/parity.py's SharedRuns), with the fault."""
-    return shared_runs({layout: Spec(2, (*OVERRIDES, f"train.dist.{size}_parallel_size=2"), env=(("DUFU_FAULT", FAULT),))
-                        for layout, size in SIZES.items()})
+    return shared_runs({**{layout: Spec(2, (*OVERRIDES, f"train.dist.{size}_parallel_size=2"),
+                                        env=(("DUFU_FAULT", FAULT),)) for layout, size in SIZES.items()},
+                        "dp2-zero3-overflow": Spec(2, (*OVERRIDES, *OVERFLOW))})
 
 
 def test_the_scale_grows_backs_off_and_the_overflow_step_is_skipped(fp16_reference):
@@ -57,3 +60,28 @@ def test_loss_scaling_is_the_same_in_every_layout(layout, fp16_reference, fp16_r
     assert [r["loss_scale"] for r in got.train.values()] == EXPECTED_SCALES
     assert [r["skipped_steps"] for r in got.train.values()] == EXPECTED_SKIPPED
     assert_matches_reference(got, fp16_reference, f"fp16 {layout}", steps=6, precision="fp16")
+
+
+# No injected fault: a scale so large that the first steps' fp16 gradients overflow inside the backward, under ZeRO-3
+# with FSDP's mixed-precision policy (blocks gathered in fp16, their fp16 gradients cast to fp32 and reduce-scattered).
+# Growth is off (interval 2000), so once the scale fits no later step overflows. Measured: 2**19 and 2**18
+# overflow (steps 1 and 2 skipped), 2**17 fits.
+OVERFLOW_SCALE = 2.0**19
+OVERFLOW = ("train.dist.data_parallel_size=2", "train.zero_optimization.enabled=True",
+            "train.zero_optimization.stage=3", f"train.amp.loss_scaler.init_scale={int(OVERFLOW_SCALE)}",
+            "train.amp.loss_scaler.growth_interval=2000")
+
+
+def test_a_real_overflow_reaches_the_scaler_through_zero3s_fp32_reduction(fp16_runs):
+    """An inf in a block's fp16 gradient stays inf when FSDP casts it to fp32 and reduce-scatters it: the global
+    norm of the sharded fp32 gradients is not finite, the step is skipped and the scale halves, step after step,
+    until the gradients fit; then every step trains."""
+    got = fp16_runs.result("dp2-zero3-overflow")
+    scales = [r["loss_scale"] for r in got.train.values()]
+    skipped = [r["skipped_steps"] for r in got.train.values()]
+    k = skipped[-1]
+    assert 1 <= k <= len(skipped) - 2, (scales, skipped)  # some steps overflowed, and the run went on training
+    assert skipped == [min(i + 1, k) for i in range(len(skipped))], skipped  # the first k steps, and no other
+    assert scales == [OVERFLOW_SCALE / 2 ** min(i + 1, k) for i in range(len(scales))], scales
+    losses = got.losses
+    assert all(x == x and abs(x) != float("inf") for x in losses) and losses[-1] < losses[k - 1], losses

@@ -28,7 +28,10 @@ def test_a_lora_run_holds_gradients_and_moments_of_its_factors_only():
     assert lora.model_states["optimizer"] == pytest.approx(8 * FACTORS / 8, rel=1e-9)
     assert full.model_states["gradients"] == pytest.approx(4 * (info.num_params - FACTORS) / 8, rel=1e-9)
     assert any("16,777,216 of 6,755,192,832 parameters train" in n for n in lora.notes), lora.notes
-    assert lora.memory_per_gpu_bytes < full.memory_per_gpu_bytes - 8 * (info.num_params - FACTORS) / 8
+    # of the 12 B a trained parameter adds (its fp32 gradient shard and AdamW's two moments, over 8 ranks), the peak
+    # keeps at least half: the two peaks also differ in what is in flight (the full run's gradients are reduced
+    # from bf16 buffers, gathered in bf16 under FSDP's mixed-precision policy)
+    assert lora.memory_per_gpu_bytes < full.memory_per_gpu_bytes - 6 * (info.num_params - FACTORS) / 8
     # the frozen base's weight gradients are never computed (the traced backward has no such matmuls)
     assert lora.time["compute"] < 0.8 * full.time["compute"]
     # AdamW and the clip stream the factors' state only (0.25% of the model's; what is left is per-launch overhead),

@@ -119,7 +119,8 @@ PLAN_ACCURACY = [
     ("dp2 ZeRO-3", 2, ["train.dist.data_parallel_size=2", "train.zero_optimization.enabled=True",
                        "train.zero_optimization.stage=3"], 375),
     ("dp2 ZeRO-3, bf16", 2, ["train.dist.data_parallel_size=2", "train.zero_optimization.enabled=True",
-                             "train.zero_optimization.stage=3", "train.amp.enabled=bf16"], 417),
+                             "train.zero_optimization.stage=3", "train.amp.enabled=bf16"],
+     355),  # gathered in bf16 since FSDP's mixed-precision policy: plan-accuracy-2026-11-29-gpt-8x512.md (was 417)
     ("dp4 ZeRO-2", 4, ["train.dist.data_parallel_size=4", "train.zero_optimization.enabled=True",
                        "train.zero_optimization.stage=2"], 248),
     ("dp4 ZeRO-3", 4, ["train.dist.data_parallel_size=4", "train.zero_optimization.enabled=True",

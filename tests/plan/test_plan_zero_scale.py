@@ -93,9 +93,11 @@ def test_175b_zero3_holds_one_block_and_the_next_at_a_time(gpus, micro_batch):
 
 
 def test_175b_zero3_with_autocasts_cache_would_not_fit(monkeypatch):
-    """Why dufu's autocast runs without its cache under ZeRO-3 (dufu.engine.runtime.Runtime.autocast): with it, the
-    forward's end holds a bf16 copy of all 96 blocks' weights, gathered ones, 2 B per parameter of the whole model on
-    every rank, and no dp-only layout of GPT-3 fits in 80 GB."""
+    """Why dufu's autocast runs without its cache under ZeRO-3 with fp32 gathers (train.amp.param_dtype=fp32;
+    dufu.engine.runtime.Runtime.autocast): with it, the forward's end holds a bf16 copy of all 96 blocks' weights,
+    gathered ones, 2 B per parameter of the whole model on every rank, and no dp-only layout of GPT-3 fits in 80 GB.
+    (With the default, FSDP gathers bf16 weights and autocast copies none.)"""
+    monkeypatch.setattr(memory, "low_precision_units", lambda layout, setup: False)  # param_dtype=fp32
     monkeypatch.setattr(memory, "autocast_caches_weights", lambda layout: True)
     est = estimate(gpt(*GPT3, *zero3(768, 2, 1536)), 768, "a100-80gb")
     # in the forward of the last block but one, with the last one prefetched: 95 blocks' copies made
