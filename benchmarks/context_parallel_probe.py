@@ -81,21 +81,24 @@ def _local(t):
 
 def _mark_gathers(saved: SavedTensors) -> None:
     """Open ``saved``'s attention scope at the all-gather of a context-parallel attention's keys: (B, heads,
-    local tokens, head dim) gathered along the tokens (dim 2). Torch's function is wrapped where
-    ``dufu.parallel.context_parallel`` looks it up: its own import of the name, or torch's module."""
+    local tokens, head dim), gathered along the tokens. The gather function is wrapped where
+    ``dufu.parallel.context_parallel`` looks it up (its ``_all_gather``, which gathers along dim 0 and reorders
+    after the wait; an older module's ``all_gather_tensor`` along dim 2), else in torch's module."""
     import torch.distributed._functional_collectives as funcol
 
     import dufu.parallel.context_parallel as cp_mod
 
-    owner = cp_mod if hasattr(cp_mod, "all_gather_tensor") else funcol
-    all_gather_tensor = owner.all_gather_tensor
+    name = next((n for n in ("_all_gather", "all_gather_tensor") if hasattr(cp_mod, n)), None)
+    owner, name = (cp_mod, name) if name is not None else (funcol, "all_gather_tensor")
+    gather = getattr(owner, name)
 
     def marked(x, gather_dim, *args, **kwargs):
-        if saved.attention is None and isinstance(x, torch.Tensor) and x.dim() == 4 and gather_dim == 2:
+        # K or V: 4-D with more than one token on dim 2 (a gathered additive bias (B|1, 1, 1, T/cp) has one row)
+        if saved.attention is None and isinstance(x, torch.Tensor) and x.dim() == 4 and x.shape[2] > 1:
             saved.attention = (x.shape[-1], x.shape[2], x.shape[2] // 2)  # (head dim, local tokens, chunk)
-        return all_gather_tensor(x, gather_dim, *args, **kwargs)
+        return gather(x, gather_dim, *args, **kwargs)
 
-    owner.all_gather_tensor = marked
+    setattr(owner, name, marked)
 
 
 class ActivationProbe(Hook):
