@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from dufu.layers import init
 from dufu.layers.mlp import GatedMLP
 
 
@@ -201,9 +202,10 @@ class GroupedExperts(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self, std: Optional[float] = None) -> None:
+        """N(0, std) experts, tile by tile (:mod:`dufu.layers.init`: an expert-parallel rank draws only its
+        experts); a meta tensor is left as it is."""
         for w in (self.gate_up_proj, self.down_proj):
-            if not w.is_meta:
-                nn.init.normal_(w, std=self.init_std if std is None else std)
+            init.normal_(w, std=self.init_std if std is None else std)
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         gate_up, down = _local(self.gate_up_proj), _local(self.down_proj)  # (E_local, 2F, H), (E_local, H, F)

@@ -14,10 +14,11 @@ yet". A module that is not a dufu family (a plain ``nn.Module`` given to a layou
 initialises the parameters and buffers that ``module`` holds *directly* (not those of its children), and may look
 at ``name`` (its qualified name in the model, e.g. ``blocks.3.attn.out_proj``) for rules such as GPT-2's scaled
 residual projections. It must not read other modules, because a sharded, meta-built model materialises each
-module on its own: :func:`dufu.parallel.materialize.materialize_` builds a full-size copy of one module at a
-time, runs ``init_module`` on it under a seed derived from the module's name, and keeps each rank's slice. So the
-initial weights are the same in every parallel layout (and on one device), whatever each rank holds.
-``init_weights()`` runs the same rules over the whole model in place, for a model built on a real device.
+module on its own: :func:`dufu.parallel.materialize.materialize_` runs ``init_module`` on a copy of one module at a
+time, under a seed derived from the module's name. The rules draw through :mod:`dufu.layers.init`, whose values
+are defined tile by tile, so a rank computes only the tiles its blocks overlap. So the initial weights are the
+same in every parallel layout (and on one device), whatever each rank holds. ``init_weights(seed)`` runs the same
+rules over the whole model in place under the same seeds, for a model built on a real device.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from dufu.layers import init
 from dufu.layers.moe import GroupedExperts
 
 _NONE: Mapping[str, str] = types.MappingProxyType({})  # an empty mapping no model can change by accident
@@ -238,24 +240,29 @@ class InitByModule(ModelBase):
         biases 0, norm weights 1."""
         if isinstance(module, nn.Linear):
             if not self.is_tied_alias(f"{name}.weight"):
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                init.normal_(module.weight, mean=0.0, std=std)
             if module.bias is not None:
-                nn.init.zeros_(module.bias)
+                init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=std)
+            init.normal_(module.weight, mean=0.0, std=std)
         elif isinstance(module, GroupedExperts):
             module.reset_parameters(std)
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             if module.weight is not None:
-                nn.init.ones_(module.weight)
+                init.ones_(module.weight)
             if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+                init.zeros_(module.bias)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """Initialise every module in place by its rule, under ``module_seed(seed, its name)``
+        (:func:`dufu.layers.init.init_scope`): the values :func:`dufu.parallel.materialize.materialize_` gives
+        with the same seed. ``seed`` None: one drawn from torch's default generator."""
         self.tie_weights()
+        seed = init.fresh_seed() if seed is None else seed
         for name, module in self.named_modules():
-            self.init_module(name, module)
+            with init.init_scope(init.module_seed(seed, name), module):
+                self.init_module(name, module)
 
 
 def tied_names(model: nn.Module) -> dict[str, str]:

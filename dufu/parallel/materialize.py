@@ -2,39 +2,35 @@
 
 House style 5 (torchtitan, picotron): build on ``meta``, split into pipeline stages, apply TP/FSDP, and
 only then allocate — each rank allocates just the shards it holds. Filling those shards must give the same
-numbers as a single-device run, so values are defined per *full* tensor and each rank keeps its block:
+numbers as a single-device run, so values are defined per *full* tensor and each rank fills its block:
 
 * **random initialisation**: a module's initial values are what the family's ``init_module(name, module)`` rule
-  (:mod:`dufu.models.base`) gives a full-size CPU copy of the module's own parameters and buffers under a seed
-  derived from the run's seed and the module's name (:class:`ModuleInitializer`). The values therefore depend
-  neither on the layout nor on which modules a pipeline stage keeps, nor on the device (CPU generator).
+  (:mod:`dufu.models.base`) gives the module's own parameters and buffers under a seed derived from the run's
+  seed and the module's name (:func:`dufu.layers.init.module_seed`, :class:`ModuleInitializer`), the values
+  ``init_weights(seed)`` gives a model built on one device. The rules draw through :mod:`dufu.layers.init`,
+  which defines a tensor's values tile by tile, each tile from its own seeded generator: a rank draws only the
+  tiles its block overlaps. The values therefore depend neither on the layout, nor on which modules a pipeline
+  stage keeps, nor on the device (CPU generators).
 * **pretrained weights** (``model.pretrained`` or ``pretrained_model``): the family's Hugging Face adapter
   (or a dufu checkpoint) is asked only for the names this part holds, and reads one tensor at a time; those
   tensors are not initialised first.
-* a rank keeps its block of each full tensor locally, with no communication, since every rank computes the
-  same values: for TP ``Shard``, FSDP ``Shard``/``_StridedShard`` and replicas the block is indexed out of the
-  values on the CPU (torch's offset arithmetic, as DCP uses) and only it is converted and copied to the device;
-  other placements go through ``distribute_tensor(..., src_data_rank=None)``.
+* a rank's block of each full tensor needs no communication, since every rank computes the same values: for TP
+  ``Shard``, FSDP ``Shard``/``_StridedShard`` and replicas the block is located by torch's offset arithmetic (as
+  DCP uses); other placements go through ``distribute_tensor(..., src_data_rank=None)`` on the full values.
 
-What is and is not sharded:
+What is and is not sharded, where the rule only calls :mod:`dufu.layers.init` on the module's own tensors (the
+matrices, embeddings, norms and biases of every dufu family, grouped MoE experts included;
+tests/parallel/test_materialize.py): the rule runs once on a meta copy of the module with the rank's blocks as
+the destinations, so
 
-* device memory and host-to-device traffic: sharded. A rank's device receives its block only; no full-size
-  copy of a sharded tensor is made on the device.
-* host memory: bounded, not proportional to a module. Where the rule only draws (``normal_``, ``uniform_``) or
-  fills (``fill_``, ``zero_``) the module's own fp32 tensors - the matrices, embeddings, norms and biases of
-  GPT and Llama (tests/parallel/test_materialize.py) - the rule is recorded once on meta copies and its
-  draws replayed under the same seed ``CHUNK_ELEMENTS`` (16 MiB of fp32) at a time, each chunk's part of the
-  rank's block copied on; the full tensor never exists. Other modules (the rotary tables, computed; grouped
-  MoE experts, whose rule skips meta tensors; other dtypes) are computed whole on the CPU as before: peak extra
-  host memory, the largest such module's own tensors.
-* CPU time: not sharded. Every rank draws every module's full stream of random numbers, because the values are
-  the single-device run's and torch's CPU generator (Mersenne Twister) cannot skip ahead: the numbers of a block
-  depend on all those drawn before them. Generating only a shard's numbers needs a counter-based, per-block
-  seeded initialisation, i.e. other initial values than a single-device run has today.
+* device memory and host-to-device traffic: the rank's blocks only;
+* host memory: one tile (256 x 256) at a time; the full tensor never exists;
+* CPU time: the tiles the rank's blocks overlap, 1 / (number of shards) of the numbers where the blocks' edges
+  fall on the tile grid, and a part of a tile more at each edge that does not.
 
-Replaying chunk by chunk gives the whole-tensor numbers because of how torch's CPU kernels draw
-(:func:`_row_chunks`); :func:`_chunks_draw_as_whole` checks that on the torch in use, and where it fails every
-module is computed whole.
+Any other rule (values computed from others, such as the rotary tables; a rule that draws from torch's default
+generator, such as a delta adapter's) gets its module computed whole on the CPU under the module's seed, and the
+rank's block copied on: peak extra host memory, the largest such module's own tensors.
 
 A tied output head on the last pipeline stage (a copy of the first stage's embedding) takes its twin's
 value: names are resolved to the canonical parameter of the unsplit ``reference`` model.
@@ -42,9 +38,6 @@ value: names are resolved to the canonical parameter of the unsplit ``reference`
 
 from __future__ import annotations
 
-import functools
-import hashlib
-import math
 from typing import Callable, Mapping, Optional
 
 import torch
@@ -53,19 +46,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
+from dufu.layers.init import init_scope, module_seed
 from dufu.models.base import contract_of
 from dufu.models.hub import check_source_shape
 
+__all__ = ["ModuleInitializer", "assign_full_", "materialize_", "module_seed", "supports_meta_init"]
 
 # Placements whose local tensor is one block of the full tensor (torch's own offset arithmetic, as DCP uses).
 _BLOCK_PLACEMENTS = (Shard, Replicate, _StridedShard)
-
-
-def module_seed(seed: int, name: str) -> int:
-    """A seed for one module's initialisation, a function of the run's seed and the module's name only."""
-    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
 
 
 def supports_meta_init(model: nn.Module) -> bool:
@@ -75,8 +65,8 @@ def supports_meta_init(model: nn.Module) -> bool:
 
 def _full_copy(module: nn.Module, device: str = "cpu") -> nn.Module:
     """A shallow copy of ``module`` that owns fresh tensors of the full (global) shapes of its own parameters
-    and buffers on ``device`` (the CPU; ``meta`` to record a rule), and no children: what ``init_module`` may
-    touch."""
+    and buffers on ``device`` (the CPU; ``meta`` to run the rule with blocks as destinations), and no children:
+    what ``init_module`` may touch."""
     clone = module.__class__.__new__(module.__class__)
     clone.__dict__ = dict(module.__dict__)
     clone._parameters = {
@@ -90,93 +80,27 @@ def _full_copy(module: nn.Module, device: str = "cpu") -> nn.Module:
     return clone
 
 
-# ------------------------------------------------------------------ initial values drawn chunk by chunk
+class _OwnTensorGuard(TorchDispatchMode):
+    """Notes whether any operation touches one of a module's own (meta) tensors: a rule that does anything to
+    them other than through :mod:`dufu.layers.init` (which, given blocks, never touches them) cannot be run
+    block by block."""
 
-# Elements drawn at once when a module's values are streamed (16 MiB of fp32): the host memory initialisation
-# needs, instead of the module's full size.
-CHUNK_ELEMENTS = 1 << 22
-_STREAMED_DTYPES = (torch.float32, torch.float64)
-_aten = torch.ops.aten
-_REPLAYABLE = {_aten.normal_.default: "normal", _aten.uniform_.default: "uniform", _aten.fill_.Scalar: "fill",
-               _aten.zero_.default: "zero"}
-
-
-class _InitRecorder(TorchDispatchMode):
-    """The in-place initialisations (normal_, uniform_, fill_, zero_) a rule applies to a module's own tensors,
-    in order, seen on meta copies of them; anything else the rule computes makes the module unreplayable."""
-
-    def __init__(self, own: dict):
+    def __init__(self, own: list[torch.Tensor]):
         super().__init__()
-        self.own = own  # TensorImpl address -> leaf name
-        self.ops: list[tuple[str, str, tuple]] = []
-        self.other: Optional[str] = None  # the first operation that is not a replayable initialisation
+        self.own = {t._cdata for t in own}
+        self.touched: Optional[str] = None  # the first such operation
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = _REPLAYABLE.get(func)
-        leaf = self.own.get(args[0]._cdata) if args and isinstance(args[0], torch.Tensor) else None
-        if kind is None or leaf is None or kwargs.get("generator") is not None:
-            self.other = self.other or str(func)
-        elif kind == "normal":
-            self.ops.append((leaf, kind, (_arg(args, kwargs, 1, "mean", 0.0), _arg(args, kwargs, 2, "std", 1.0))))
-        elif kind == "uniform":
-            self.ops.append((leaf, kind, (_arg(args, kwargs, 1, "from", 0.0), _arg(args, kwargs, 2, "to", 1.0))))
-        else:
-            self.ops.append((leaf, kind, (_arg(args, kwargs, 1, "value", 0.0),)))
+        if self.touched is None and any(isinstance(a, torch.Tensor) and a._cdata in self.own
+                                        for a in tree_flatten((args, kwargs))[0]):
+            self.touched = str(func)
         return func(*args, **kwargs)
 
 
-def _arg(args: tuple, kwargs: dict, index: int, name: str, default):
-    return args[index] if len(args) > index else kwargs.get(name, default)
-
-
-def _row_chunks(shape: tuple, chunk_elements: int) -> list[tuple[int, int]]:
-    """Row ranges ``[r0, r1)`` of dim 0 that cut a tensor of ``shape`` into chunks of about ``chunk_elements``.
-
-    Every chunk but the last starts and ends on a multiple of 16 elements, and the last holds at least 16 (or the
-    tensor is one chunk). Cut this way, torch's CPU ``normal_`` draws the same numbers chunk by chunk as for the
-    whole tensor: it draws one uniform number per element in order, turns them into normal ones in blocks of 16
-    (Box-Muller), and when the size is no multiple of 16 draws 16 more for the last 16 elements
-    (ATen/native/cpu/DistributionTemplates.h, ``normal_fill``); ``uniform_`` draws one number per element in
-    order. :func:`_chunks_draw_as_whole` checks it on the torch in use."""
-    rows = shape[0] if shape else 1
-    row = math.prod(shape[1:])
-    if rows * row < 16:
-        return [(0, rows)]
-    step = 16 // math.gcd(row, 16)  # rows in a whole number of 16-element blocks
-    per = max(step, chunk_elements // max(row, 1) // step * step)
-    cuts = [*range(0, rows, per), rows]
-    if len(cuts) > 2 and (cuts[-1] - cuts[-2]) * row < 16:
-        cuts.pop(-2)  # a last chunk under 16 elements joins the one before
-    return list(zip(cuts[:-1], cuts[1:]))
-
-
-def _draw(buffer: torch.Tensor, kind: str, args: tuple) -> torch.Tensor:
-    if kind == "normal":
-        return buffer.normal_(*args)
-    if kind == "uniform":
-        return buffer.uniform_(*args)
-    return buffer.fill_(args[0] if kind == "fill" else 0)
-
-
-@functools.lru_cache(maxsize=None)
-def _chunks_draw_as_whole() -> bool:
-    """Whether, on this torch, drawing a tensor chunk by chunk (:func:`_row_chunks`) gives the numbers of one
-    draw of the whole tensor; where not, every module is computed whole."""
-    shape = (37, 24)  # 888 elements: the last 16 are drawn again; chunks of 4 rows (96 elements)
-    with torch.random.fork_rng(devices=[]):
-        for kind, args in (("normal", (0.0, 0.02)), ("uniform", (-0.1, 0.1))):
-            torch.manual_seed(0)
-            whole = _draw(torch.empty(shape), kind, args)
-            torch.manual_seed(0)
-            chunks = [_draw(torch.empty(r1 - r0, shape[1]), kind, args) for r0, r1 in _row_chunks(shape, 100)]
-            if len(chunks) < 3 or not torch.equal(whole, torch.cat(chunks)):
-                return False
-    return True
-
-
 def _block_of(target: torch.Tensor) -> Optional[tuple[slice, ...]]:
-    """The block of the full tensor ``target`` holds: all of it for a plain tensor."""
+    """The block of the full tensor ``target`` holds: all of it for a plain tensor; None for a placement that
+    is not one block (``Partial``)."""
     if isinstance(target, DTensor):
         return _local_block(target)
     return tuple(slice(0, n) for n in target.shape)
@@ -184,21 +108,20 @@ def _block_of(target: torch.Tensor) -> Optional[tuple[slice, ...]]:
 
 class ModuleInitializer:
     """Initial values of one module's own tensors, as the single-device run has them: ``init_module`` (or the
-    module's ``init_own``) run once on a full-size copy of the module, under the module's seed.
+    module's ``init_own``) run on the module under :func:`dufu.layers.init.init_scope` with the module's seed.
 
-    :meth:`values` computes them whole; :meth:`assign` fills a rank's tensors with their blocks, drawing the
-    values chunk by chunk where the rule only draws (``normal_``, ``uniform_``) or fills (``fill_``, ``zero_``)
-    the module's own fp32 tensors: the rule is run once on meta copies to record what it does, and the recorded
-    draws are replayed under the same seed, ``CHUNK_ELEMENTS`` at a time, each chunk's part of the rank's block
-    copied to the device. Any other rule (values computed from others, a tensor the rule leaves alone on the meta
-    device, another dtype) gets its module computed whole, as :meth:`values` does."""
+    :meth:`values` computes them whole, on a full-size CPU copy of the module; :meth:`assign` fills a rank's
+    tensors with their blocks: the rule runs once on a meta copy with those blocks as the destinations of its
+    :mod:`dufu.layers.init` calls, which draw only the tiles the blocks overlap. A rule that does anything else
+    to the module's tensors (:class:`_OwnTensorGuard`), leaves one of them unset or replaces one gets its module
+    computed whole, as :meth:`values` does, and the blocks copied from it."""
 
     def __init__(self, reference: nn.Module, seed: int):
         self.reference = reference
         self.seed = seed
         self.modules = dict(reference.named_modules())
         self._cache: dict[str, dict[str, torch.Tensor]] = {}
-        self.streamed: list[str] = []  # the modules assign() drew chunk by chunk (the others were computed whole)
+        self.by_block: list[str] = []  # the modules assign() filled block by block (the others were computed whole)
 
     def _run_rule(self, module_name: str, clone: nn.Module) -> None:
         own_rule = getattr(clone, "init_own", None)  # a module that knows its values (a LoRA factor)
@@ -208,8 +131,7 @@ class ModuleInitializer:
     def values(self, module_name: str) -> dict[str, torch.Tensor]:
         if module_name not in self._cache:
             clone = _full_copy(self.modules[module_name])
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(module_seed(self.seed, module_name))
+            with init_scope(module_seed(self.seed, module_name), clone):
                 self._run_rule(module_name, clone)
             self._cache = {module_name: {**clone._parameters, **clone._buffers}}  # keep only the latest
         return self._cache[module_name]
@@ -218,58 +140,28 @@ class ModuleInitializer:
     def assign(self, module_name: str, targets: dict[str, list[torch.Tensor]]) -> None:
         """Fill ``targets`` (leaf name -> this rank's tensors of it: plain, or DTensor shards; a tied copy makes
         two) with the module's initial values."""
-        ops = self._recorded(module_name, targets)
-        if ops is None:
-            values = self.values(module_name)
-            for leaf, tensors in targets.items():
-                for target in tensors:
-                    assign_full_(target, values[leaf])
+        if self._assign_blocks(module_name, targets):
+            self.by_block.append(module_name)
             return
-        module = self.modules[module_name]
-        own = {**module._parameters, **module._buffers}
-        last = {leaf: i for i, (leaf, _, _) in enumerate(ops)}
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(module_seed(self.seed, module_name))
-            for i, (leaf, kind, args) in enumerate(ops):
-                # (this rank's tensor, the block of the full tensor it holds); earlier draws are only consumed
-                dests = [(t.to_local() if isinstance(t, DTensor) else t, _block_of(t))
-                         for t in (targets.get(leaf, []) if last[leaf] == i else [])]
-                shape, dtype = tuple(own[leaf].shape), own[leaf].dtype
-                if kind in ("fill", "zero"):  # no random numbers drawn
-                    for local, _ in dests:
-                        _draw(local, kind, args)
-                    continue
-                for r0, r1 in _row_chunks(shape, CHUNK_ELEMENTS):
-                    chunk = _draw(torch.empty((r1 - r0, *shape[1:]) if shape else (), dtype=dtype), kind, args)
-                    for local, block in dests:
-                        if not shape:
-                            local.copy_(chunk)
-                            continue
-                        lo, hi = max(r0, block[0].start), min(r1, block[0].stop)
-                        if lo < hi:  # this chunk's rows of the rank's block
-                            rows = chunk[(slice(lo - r0, hi - r0), *block[1:])]
-                            local[lo - block[0].start:hi - block[0].start].copy_(rows)
-        self.streamed.append(module_name)
+        values = self.values(module_name)
+        for leaf, tensors in targets.items():
+            for target in tensors:
+                assign_full_(target, values[leaf])
 
-    def _recorded(self, module_name: str, targets: dict) -> Optional[list]:
-        """The rule's initialisations of the module's own tensors, replayable chunk by chunk; None where the
-        module has to be computed whole."""
-        module = self.modules[module_name]
-        own = {n: t for n, t in {**module._parameters, **module._buffers}.items() if t is not None}
-        if (not all(t.dtype in _STREAMED_DTYPES for t in own.values())
-                or not all(_block_of(t) is not None for ts in targets.values() for t in ts)
-                or not _chunks_draw_as_whole()):
-            return None
-        clone = _full_copy(module, device="meta")
-        tensors = {**clone._parameters, **clone._buffers}
-        recorder = _InitRecorder({t._cdata: n for n, t in tensors.items() if t is not None})
-        with recorder:  # meta tensors: nothing is drawn, nothing needs a seed
+    def _assign_blocks(self, module_name: str, targets: dict[str, list[torch.Tensor]]) -> bool:
+        """Run the rule on a meta copy of the module with the targets' blocks as destinations; False (targets
+        to be filled again from the whole values) where that does not define every target."""
+        blocks = {leaf: [(t.to_local() if isinstance(t, DTensor) else t, _block_of(t)) for t in tensors]
+                  for leaf, tensors in targets.items()}
+        if any(block is None for dests in blocks.values() for _, block in dests):
+            return False
+        clone = _full_copy(self.modules[module_name], device="meta")
+        own = {n: t for n, t in {**clone._parameters, **clone._buffers}.items() if t is not None}
+        guard = _OwnTensorGuard(list(own.values()))
+        with guard, init_scope(module_seed(self.seed, module_name), clone, blocks) as scope:
             self._run_rule(module_name, clone)
-        unchanged = all(clone._parameters.get(n) is t or clone._buffers.get(n) is t for n, t in tensors.items())
-        done = {leaf for leaf, _, _ in recorder.ops}
-        if recorder.other is not None or not unchanged or not set(targets) <= done:
-            return None
-        return recorder.ops
+        unchanged = all(clone._parameters.get(n, clone._buffers.get(n)) is t for n, t in own.items())
+        return guard.touched is None and not scope.unknown and unchanged and set(targets) <= scope.done
 
 
 def _canonical_names(reference: nn.Module) -> dict[str, str]:

@@ -182,7 +182,7 @@ def test_a_dufu_run_is_converted_once_block_by_block(tmp_path):
     assert got.tolist() == want.tolist()
     assert shard.stat().st_mtime_ns == written  # read, not rewritten
     with torch.no_grad():  # the step saved again with other weights: the copy follows the checkpoint
-        model.blocks["1"].mlp.fc1.weight.mul_(-1.0)
+        model.blocks["1"].mlp.fc2.weight.mul_(-1.0)
     Checkpointer(tmp_path / "run" / "checkpoints").save(
         3, model, torch.optim.SGD(model.parameters(), lr=0.1), {}, config_text=LazyConfig.to_yaml(cfg))
     changed = generate(pretrained_model(tmp_path / "run"), PROMPT[:1], NEW, temperature=0)

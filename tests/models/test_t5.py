@@ -70,7 +70,9 @@ def test_forward_shapes_loss_and_shift_right(batch):
     model = make()
     out = model(**batch)
     assert out.logits.shape == (2, 25, 99)
-    assert abs(out.loss.item() - math.log(99)) < 0.7  # near uniform at initialisation
+    # near uniform at initialisation: a tied N(0, 1) table scaled by d^-1/2 gives logits ~N(0, 1), so the loss sits
+    # near log V + 0.5 (0.25 to 0.94 above it over 12 seeds)
+    assert abs(out.loss.item() - math.log(99)) < 1.0
     labels = batch["labels"]
     keep = labels != -100
     torch.testing.assert_close(out.loss, F.cross_entropy(out.logits[keep], labels[keep]))

@@ -1,14 +1,22 @@
 """Meta-device build, then materialisation (dufu.parallel.materialize): the values are the same whatever part
-of the model a rank holds, tied copies take their twin's value, buffers are computed, and pretrained weights
-fill a part from only the tensors it holds."""
+of the model a rank holds (one definition, tile by tile: dufu.layers.init; a rank draws only its share), tied
+copies take their twin's value, buffers are computed, and pretrained weights fill a part from only the tensors
+it holds."""
 
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
+from dufu.models.bert import BertForMaskedLM
 from dufu.models.gpt import GPTModel
 from dufu.models.llama import LlamaModel
+from dufu.models.moe import MoEModel
+from dufu.models.swin import SwinForImageClassification
+from dufu.models.t5 import T5ForConditionalGeneration
+from dufu.models.vit import ViTForImageClassification
 from dufu.parallel.materialize import materialize_, module_seed, supports_meta_init
 from dufu.parallel.pipeline import build_stage_module
 
@@ -25,11 +33,7 @@ def materialized(model, seed=0, **kw):
 
 
 def test_every_family_initialises_per_module():
-    from dufu.models.bert import BertForMaskedLM
     from dufu.models.hf_auto import HFAutoModel
-    from dufu.models.swin import SwinForImageClassification
-    from dufu.models.t5 import T5ForConditionalGeneration
-    from dufu.models.vit import ViTForImageClassification
 
     for cls in (GPTModel, LlamaModel, BertForMaskedLM, T5ForConditionalGeneration, ViTForImageClassification,
                 SwinForImageClassification):
@@ -179,78 +183,179 @@ def test_a_shard_is_filled_from_its_block_alone(monkeypatch):
             dist.destroy_process_group()
 
 
-def test_chunks_start_on_whole_blocks_of_16_and_draw_as_the_whole_tensor():
-    """The cut that lets a module's values be drawn chunk by chunk: every chunk but the last starts on a multiple
-    of 16 elements, the last holds at least 16, and on this torch the chunks' numbers are the whole tensor's."""
-    import math
-
-    from dufu.parallel.materialize import _chunks_draw_as_whole, _row_chunks
-
-    for shape in [(37, 24), (1000,), (5, 3), (33, 7), (17,), (16, 1), (3,), ()]:
-        chunks = _row_chunks(shape, 100)
-        row, rows = math.prod(shape[1:]), (shape[0] if shape else 1)
-        assert chunks[0][0] == 0 and chunks[-1][1] == rows, (shape, chunks)
-        assert all(a[1] == b[0] for a, b in zip(chunks, chunks[1:])), (shape, chunks)
-        assert all(r0 * row % 16 == 0 for r0, _ in chunks), (shape, chunks)
-        assert len(chunks) == 1 or (chunks[-1][1] - chunks[-1][0]) * row >= 16, (shape, chunks)
-    assert len(_row_chunks((1000,), 100)) == 11  # 10 chunks of 96, the last 40 elements
-    assert _chunks_draw_as_whole()
-
-
-@pytest.mark.parametrize("cls,tied", [(GPTModel, True), (LlamaModel, False)])
-def test_modules_drawn_chunk_by_chunk_get_the_whole_modules_values(cls, tied, monkeypatch):
-    """ModuleInitializer.assign (what materialisation uses) equals the module computed whole, bit for bit, in
-    chunks of 48 elements (many per tensor even in a tiny model); the plain rules' modules are drawn, not
-    computed whole."""
-    from dufu.parallel import materialize
-
-    monkeypatch.setattr(materialize, "CHUNK_ELEMENTS", 48)
-    model = meta(cls, tie_word_embeddings=tied)
-    init = materialize.ModuleInitializer(model, seed=5)
-    compared = 0
-    for name, module in model.named_modules():
-        own = {n: t for n, t in {**module._parameters, **module._buffers}.items()
-               if t is not None and not model.is_tied_alias(f"{name}.{n}")}
-        if not own:
-            continue
-        whole = {n: v.clone() for n, v in init.values(name).items() if n in own}
-        got = {n: [torch.full(t.shape, float("nan"), dtype=t.dtype)] for n, t in own.items()}
-        init.assign(name, got)
-        for n in own:
-            torch.testing.assert_close(got[n][0], whole[n], rtol=0, atol=0, msg=f"{name}.{n}")
-            compared += 1
-    assert compared > 10
-    drawn = {n for n, m in model.named_modules() if any(True for _ in m.parameters(recurse=False))}
-    drawn -= {n for n in drawn if model.is_tied_alias(f"{n}.weight")}
-    assert drawn <= set(init.streamed), sorted(drawn - set(init.streamed))
-
-
-def test_a_drawn_shard_is_the_block_of_the_whole_value(monkeypatch):
-    """Drawn chunk by chunk into DTensor shards (TP and FSDP placements, uneven), each rank of a 2 x 2 mesh gets
-    what distribute_tensor keeps of the whole value. One process, torch's fake process group for each rank."""
+def on_every_rank(shape, check):
+    """check(rank, mesh) for every rank of a fake (data, tensor) mesh of ``shape``, in one process: torch's fake
+    process group stands in for each rank in turn."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import Shard, distribute_tensor
-    from torch.distributed.tensor.placement_types import _StridedShard
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    world = math.prod(shape)
+    for rank in range(world):
+        dist.init_process_group("fake", rank=rank, world_size=world, store=FakeStore())
+        try:
+            check(rank, init_device_mesh("cpu", shape, mesh_dim_names=("data", "tensor")))
+        finally:
+            dist.destroy_process_group()
+
+
+def counting_draws(monkeypatch) -> list:
+    """The number of random values drawn by every tile draw from now on (dufu.layers.init._draw_tile)."""
+    from dufu.layers import init
+
+    drawn, draw = [], init._draw_tile
+
+    def counted(rule, shape, *args):
+        drawn.append(math.prod(shape))
+        return draw(rule, shape, *args)
+
+    monkeypatch.setattr(init, "_draw_tile", counted)
+    return drawn
+
+
+@pytest.mark.parametrize("rule,args", [("normal_", (0.0, 0.02)), ("trunc_normal_", (0.0, 0.02, -0.04, 0.04)),
+                                       ("uniform_", (-0.1, 0.1))])
+def test_a_block_computed_alone_is_the_block_of_the_whole_tensor(rule, args, monkeypatch):
+    """dufu.layers.init: a block of a matrix, a vector and a 3-D tensor (rows, columns, uneven, empty) computed
+    alone equals the same block of the whole tensor bit for bit, and draws only the tiles it overlaps."""
+    from torch import nn
+
+    from dufu.layers import init
+
+    monkeypatch.setattr(init, "TILE", 8)
+    monkeypatch.setattr(init, "TILE_1D", 16)
+    drawn = counting_draws(monkeypatch)
+
+    def module(device):
+        m = nn.Module()
+        m.weight = nn.Parameter(torch.empty(37, 20, device=device))  # 5 x 3 tiles, the last ones cut
+        m.bias = nn.Parameter(torch.empty(45, device=device))
+        m.experts = nn.Parameter(torch.empty(4, 10, 12, device=device))
+        return m
+
+    whole = module("cpu")
+    with init.init_scope(11, whole):
+        for leaf in ("weight", "bias", "experts"):
+            getattr(init, rule)(getattr(whole, leaf), *args)
+    assert whole.weight.std() > 0 and not torch.equal(whole.experts[0], whole.experts[1])
+    blocks = {"weight": [(slice(0, 19), slice(0, 20)), (slice(19, 37), slice(0, 20)),  # rows, uneven halves
+                         (slice(0, 37), slice(0, 10)), (slice(0, 37), slice(10, 20)),  # columns
+                         (slice(5, 23), slice(3, 17)), (slice(8, 8), slice(0, 20))],  # off the grid; empty
+              "bias": [(slice(0, 23),), (slice(23, 45),), (slice(16, 32),)],
+              "experts": [(slice(1, 3), slice(0, 10), slice(0, 12)), (slice(0, 4), slice(5, 10), slice(6, 12))]}
+    meta = module("meta")
+    for leaf, cases in blocks.items():
+        for block in cases:
+            local = torch.full([s.stop - s.start for s in block], float("nan"))
+            drawn.clear()
+            with init.init_scope(11, meta, {leaf: [(local, block)]}) as scope:
+                getattr(init, rule)(getattr(meta, leaf), *args)
+            assert scope.done == {leaf} and not scope.unknown
+            torch.testing.assert_close(local, getattr(whole, leaf).detach()[block], rtol=0, atol=0,
+                                       msg=lambda m: f"{leaf} {block}: {m}")
+            assert sum(drawn) == init.drawn_elements(getattr(meta, leaf).shape, block), (leaf, block)
+    # what the tiles cost: a half split on the tile grid draws half the numbers, off the grid one tile row more
+    assert init.drawn_elements((37, 20), (slice(0, 16), slice(0, 20))) == 16 * 20
+    assert init.drawn_elements((37, 20), (slice(0, 19), slice(0, 20))) == 24 * 20
+    assert init.drawn_elements((37, 20), (slice(0, 37), slice(0, 10))) == 37 * 16
+    assert init.drawn_elements((37, 20), (slice(8, 8), slice(0, 20))) == 0
+
+
+def test_a_rank_draws_only_its_share(monkeypatch):
+    """The point of the tiles: materialising a rank's shard of a 1024 x 512 embedding on a fake 2 x 2 mesh draws
+    exactly 1/shards of its numbers (rows split, columns split, both), an uneven FSDP-over-TP split at most the
+    tile rows its block overlaps; and every rank's block equals the same block of the whole value, bit for bit."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
 
     from dufu.parallel import materialize
 
-    monkeypatch.setattr(materialize, "CHUNK_ELEMENTS", 48)
-    model = meta(GPTModel, vocab_size=90)  # 90 rows: uneven shards
-    init = materialize.ModuleInitializer(model, seed=3)
-    whole = init.values("wte")["weight"].detach().clone()
-    for rank in range(4):
-        dist.init_process_group("fake", rank=rank, world_size=4, store=FakeStore())
-        try:
-            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("data", "tensor"))
-            for placements in ([_StridedShard(0, split_factor=2), Shard(0)], [Shard(0), Shard(1)]):
-                target = distribute_tensor(torch.full(whole.shape, float("nan")), mesh, placements,
-                                           src_data_rank=None)
-                init.assign("wte", {"weight": [target]})
-                expected = distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
-                torch.testing.assert_close(target.to_local(), expected, rtol=0, atol=0,
-                                           msg=lambda m: f"rank {rank} {placements}: {m}")
-        finally:
-            dist.destroy_process_group()
-    assert "wte" in init.streamed
+    cases = [(1024, [Replicate(), Shard(0)], 2), (1024, [Replicate(), Shard(1)], 2), (1024, [Shard(0), Shard(1)], 4),
+             (2000, [_StridedShard(0, split_factor=2), Shard(0)], 4)]
+    drawn = counting_draws(monkeypatch)
+    for vocab, placements, shards in cases:
+        model = meta(GPTModel, vocab_size=vocab, hidden_size=512)
+        init = materialize.ModuleInitializer(model, seed=3)
+        whole = init.values("wte")["weight"].detach().clone()
+        counts = []
+
+        def check(rank, mesh):
+            target = distribute_tensor(torch.full(whole.shape, float("nan")), mesh, placements, src_data_rank=None)
+            drawn.clear()
+            init.assign("wte", {"weight": [target]})
+            counts.append(sum(drawn))
+            expected = distribute_tensor(whole, mesh, placements, src_data_rank=None).to_local()
+            torch.testing.assert_close(target.to_local(), expected, rtol=0, atol=0,
+                                       msg=lambda m: f"rank {rank} {placements}: {m}")
+            if vocab % 256 == 0:
+                assert counts[-1] == whole.numel() // shards, (rank, placements, counts)
+            else:  # a block off the tile grid: at most a part of a tile row more at each edge
+                rows = target.to_local().shape[0]
+                assert counts[-1] <= min((rows + 2 * 255) * 512, whole.numel() // 2), (rank, placements, counts)
+
+        on_every_rank((2, 2), check)
+        assert init.by_block == ["wte"] * 4, init.by_block
+
+
+FAMILIES = {
+    "gpt": lambda: GPTModel(**SIZES),
+    "llama": lambda: LlamaModel(**SIZES),
+    "bert": lambda: BertForMaskedLM(
+        vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64,
+        max_position_embeddings=32),
+    "t5": lambda: T5ForConditionalGeneration(
+        vocab_size=40, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=4),
+    "vit": lambda: ViTForImageClassification(
+        image_size=16, patch_size=4, num_channels=3, num_labels=7, hidden_size=32, num_layers=2,
+        num_attention_heads=4, ffn_hidden_size=64),
+    "swin": lambda: SwinForImageClassification(
+        image_size=16, patch_size=2, num_channels=3, num_labels=5, embed_dim=16, depths=[2, 2], num_heads=[2, 4],
+        window_size=4, drop_path_rate=0.0),
+    "moe": lambda: MoEModel(
+        vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        max_position_embeddings=32, num_experts=4, top_k=2, ffn_hidden_size=48),
+}
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_path_gives_the_same_values(family, monkeypatch):
+    """One definition of the initial values (tiles of 8 x 8, many per tensor even in a tiny model): a model built
+    on the CPU and initialised in place (init_weights(seed)), the same model built on the meta device and
+    materialised, and each module filled block by block all hold the same values, bit for bit; every module with
+    parameters of its own (grouped experts, convolutions and BERT's zero padding row included) is filled block by
+    block, not computed whole."""
+    from dufu.layers import init
+
+    monkeypatch.setattr(init, "TILE", 8)
+    monkeypatch.setattr(init, "TILE_1D", 16)
+    build = FAMILIES[family]
+    direct = build()
+    direct.init_weights(seed=5)
+    reference = meta_build(build)
+    materialized_model = materialized(meta_build(build), seed=5)
+    expected = dict(direct.named_parameters(remove_duplicate=False))
+    for name, p in materialized_model.named_parameters(remove_duplicate=False):
+        torch.testing.assert_close(p, expected[name], rtol=0, atol=0, msg=name)
+    assert any(p.std() > 0 for p in direct.parameters() if p.numel() > 1)
+
+    from dufu.parallel import materialize
+
+    blockwise = materialize.ModuleInitializer(reference, seed=5)
+    with_params = []
+    for name, module in reference.named_modules():
+        own = {n: t for n, t in module._parameters.items()
+               if t is not None and not reference.is_tied_alias(f"{name}.{n}" if name else n)}
+        if not own:
+            continue
+        with_params.append(name)
+        got = {n: [torch.full(t.shape, float("nan"), dtype=t.dtype)] for n, t in own.items()}
+        blockwise.assign(name, got)
+        for n in own:
+            torch.testing.assert_close(got[n][0], expected[f"{name}.{n}" if name else n], rtol=0, atol=0,
+                                       msg=f"{name}.{n}")
+    assert with_params and blockwise.by_block == with_params, sorted(set(with_params) - set(blockwise.by_block))
+
+
+def meta_build(build):
+    with torch.device("meta"):
+        return build()

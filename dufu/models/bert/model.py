@@ -37,6 +37,7 @@ from dufu.layers import (
     TokenTypeEmbedding,
     VocabEmbedding,
 )
+from dufu.layers import init
 from dufu.layers.loss import masked_lm_loss, sequence_classification_loss
 from dufu.layers.mlp import ACTIVATIONS
 from dufu.models.base import InitByModule
@@ -209,7 +210,7 @@ class _BertEncoder(InitByModule, nn.Module):
         zero biases, unit LayerNorms."""
         self.init_normal(name, module, self.initializer_range)
         if name == "wte" and self.pad_token_id is not None and 0 <= self.pad_token_id < self.vocab_size:
-            module.weight[self.pad_token_id].zero_()
+            init.constant_(module.weight, 0.0, rows=range(self.pad_token_id, self.pad_token_id + 1))
 
     def token_embedding(self) -> Optional[nn.Module]:
         return self.wte

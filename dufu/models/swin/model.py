@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 import torch
 from torch import nn
 
-from dufu.layers import MLP, Attention, HeadwiseEmbedding, LayerNorm, Linear
+from dufu.layers import MLP, Attention, HeadwiseEmbedding, LayerNorm, Linear, init
 from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
 from dufu.models.vit.model import PatchEmbedding, classification_loss, pair
@@ -281,14 +281,14 @@ class SwinForImageClassification(InitByModule, nn.Module):
         """Truncated N(0, 0.02) for projections and the relative-bias tables, zero biases, unit norms."""
         std = self.initializer_range
         if isinstance(module, (nn.Linear, nn.Conv2d, HeadwiseEmbedding)):
-            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+            init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
             if getattr(module, "bias", None) is not None:
-                nn.init.zeros_(module.bias)
+                init.zeros_(module.bias)
         elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
         elif isinstance(module, SwinEmbeddings) and module.position_embeddings is not None:
-            nn.init.trunc_normal_(module.position_embeddings, std=std, a=-2 * std, b=2 * std)
+            init.trunc_normal_(module.position_embeddings, std=std, a=-2 * std, b=2 * std)
 
     def forward(self, pixel_values: torch.Tensor, labels: Optional[torch.Tensor] = None):
         """On an inner pipeline stage ``pixel_values`` are the hidden states (B, H*W, C) of its first block."""

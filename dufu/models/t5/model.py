@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from dufu.layers import MLP, Attention, GatedMLP, HeadwiseEmbedding, KVCache, Linear, RMSNorm, VocabEmbedding
+from dufu.layers import init
 from dufu.layers.attention import padding_mask_to_bias
 from dufu.layers.loss import seq2seq_lm_loss
 from dufu.models.base import InitByModule
@@ -171,13 +172,13 @@ class _T5Base(InitByModule, nn.Module):
                 std = inner ** -0.5
             else:  # the feed-forward's wi (d_model^-1/2) and wo (d_ff^-1/2): fan-in
                 std = module.in_features ** -0.5
-            nn.init.normal_(module.weight, std=f * std)
+            init.normal_(module.weight, std=f * std)
         elif isinstance(module, HeadwiseEmbedding):
-            nn.init.normal_(module.weight, std=f * d ** -0.5)
+            init.normal_(module.weight, std=f * d ** -0.5)
         elif isinstance(module, VocabEmbedding):
-            nn.init.normal_(module.weight, std=f * 1.0)
+            init.normal_(module.weight, std=f * 1.0)
         elif isinstance(module, nn.RMSNorm):
-            nn.init.constant_(module.weight, f * 1.0)
+            init.constant_(module.weight, f * 1.0)
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.wte(input_ids)  # (B, T, C)

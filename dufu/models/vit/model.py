@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from dufu.layers import MLP, Attention, LayerNorm, Linear
+from dufu.layers import init
 from dufu.layers.loss import classification_loss
 from dufu.models.base import InitByModule
 from dufu.models.outputs import ModelOutput
@@ -139,15 +140,15 @@ class ViTForImageClassification(InitByModule, nn.Module):
         """Truncated N(0, 0.02) for projections, the [CLS] token and positions; zero biases; unit norms."""
         std = self.initializer_range
         if isinstance(module, (nn.Linear, nn.Conv2d)):
-            nn.init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
+            init.trunc_normal_(module.weight, std=std, a=-2 * std, b=2 * std)
             if module.bias is not None:
-                nn.init.zeros_(module.bias)
+                init.zeros_(module.bias)
         elif isinstance(module, nn.LayerNorm):
-            nn.init.ones_(module.weight)
-            nn.init.zeros_(module.bias)
+            init.ones_(module.weight)
+            init.zeros_(module.bias)
         elif isinstance(module, ViTEmbeddings):
-            nn.init.trunc_normal_(module.cls_token, std=std, a=-2 * std, b=2 * std)
-            nn.init.trunc_normal_(module.position_embeddings, std=std, a=-2 * std, b=2 * std)
+            init.trunc_normal_(module.cls_token, std=std, a=-2 * std, b=2 * std)
+            init.trunc_normal_(module.position_embeddings, std=std, a=-2 * std, b=2 * std)
 
     def forward(self, pixel_values: torch.Tensor, labels: Optional[torch.Tensor] = None):
         """On an inner pipeline stage ``pixel_values`` are the hidden states (B, 1 + N, C)."""
