@@ -64,8 +64,8 @@ def test_loss_scaling_is_the_same_in_every_layout(layout, fp16_reference, fp16_r
 
 # No injected fault: a scale so large that the first steps' fp16 gradients overflow inside the backward, under ZeRO-3
 # with FSDP's mixed-precision policy (blocks gathered in fp16, their fp16 gradients cast to fp32 and reduce-scattered).
-# Growth is off (interval 2000), so once the scale fits no later step overflows. Measured: 2**19 and 2**18
-# overflow (steps 1 and 2 skipped), 2**17 fits.
+# Growth is off (interval 2000): the scale only halves, at each overflow. Measured: the first steps overflow at 2**19
+# and 2**18; which later step overflows again near fp16's edge depends on the initial weights.
 OVERFLOW_SCALE = 2.0**19
 OVERFLOW = ("train.dist.data_parallel_size=2", "train.zero_optimization.enabled=True",
             "train.zero_optimization.stage=3", f"train.amp.loss_scaler.init_scale={int(OVERFLOW_SCALE)}",
@@ -74,14 +74,14 @@ OVERFLOW = ("train.dist.data_parallel_size=2", "train.zero_optimization.enabled=
 
 def test_a_real_overflow_reaches_the_scaler_through_zero3s_fp32_reduction(fp16_runs):
     """An inf in a block's fp16 gradient stays inf when FSDP casts it to fp32 and reduce-scatters it: the global
-    norm of the sharded fp32 gradients is not finite, the step is skipped and the scale halves, step after step,
-    until the gradients fit; then every step trains."""
+    norm of the sharded fp32 gradients is not finite, the step is skipped and the scale halves; steps whose
+    gradients fit train."""
     got = fp16_runs.result("dp2-zero3-overflow")
     scales = [r["loss_scale"] for r in got.train.values()]
     skipped = [r["skipped_steps"] for r in got.train.values()]
-    k = skipped[-1]
-    assert 1 <= k <= len(skipped) - 2, (scales, skipped)  # some steps overflowed, and the run went on training
-    assert skipped == [min(i + 1, k) for i in range(len(skipped))], skipped  # the first k steps, and no other
-    assert scales == [OVERFLOW_SCALE / 2 ** min(i + 1, k) for i in range(len(scales))], scales
+    assert skipped[0] == 1, (scales, skipped)  # the first step overflowed: no fault injected, a real inf
+    assert all(b - a in (0, 1) for a, b in zip(skipped, skipped[1:])), skipped
+    assert skipped[-1] <= len(skipped) - 2 and skipped[-1] == skipped[-2], skipped  # the run went on training
+    assert scales == [OVERFLOW_SCALE / 2 ** n for n in skipped], scales  # halved at each skipped step, no growth
     losses = got.losses
-    assert all(x == x and abs(x) != float("inf") for x in losses) and losses[-1] < losses[k - 1], losses
+    assert all(x == x and abs(x) != float("inf") for x in losses) and losses[-1] < losses[0], losses
