@@ -299,7 +299,7 @@ def test_a_rank_draws_only_its_share(monkeypatch):
 
 FAMILIES = {
     "gpt": lambda: GPTModel(**SIZES),
-    "llama": lambda: LlamaModel(**SIZES),
+    "llama": lambda: LlamaModel(**SIZES, ffn_hidden_size=88),  # (the default 11008 is 1.4M tiles of 8 x 8)
     "bert": lambda: BertForMaskedLM(
         vocab_size=96, hidden_size=32, num_layers=2, num_attention_heads=4, ffn_hidden_size=64,
         max_position_embeddings=32),
