@@ -73,7 +73,7 @@ def process_rss_bytes() -> int:
     return kib * 1024 if kib is not None else 0
 
 
-def _reset_rss_high_water() -> bool:
+def reset_rss_high_water() -> bool:
     """Set the resident set high-water mark to the current resident set (proc(5), clear_refs "5", Linux >= 4.0);
     False where the kernel, a sandbox or the file's permissions refuse."""
     try:
@@ -99,7 +99,7 @@ def memory_record(device: torch.device) -> dict:
     hwm = _proc_status_kib("VmHWM")
     if hwm is None:
         return {RSS_RUN_KEY: _run_peak_rss_bytes() / MiB}
-    key = RSS_KEY if _reset_rss_high_water() else RSS_RUN_KEY
+    key = RSS_KEY if reset_rss_high_water() else RSS_RUN_KEY
     return {key: hwm * 1024 / MiB}
 
 
