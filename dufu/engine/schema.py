@@ -133,10 +133,23 @@ class Dist:
     # Long sequences: every sample's tokens split over this many ranks through the whole model (attention gathers
     # the other ranks' keys/values); a factor of the world, dp x cp x tp x pp. dufu.parallel.context_parallel
     context_parallel_size: int | Auto = 1
+    # How attention sees the other context ranks' tokens (dufu.parallel.context_parallel): "all_gather" (every
+    # rank gathers the keys/values of the whole sequence), "all_to_all" (DeepSpeed-Ulysses: an all-to-all trades
+    # the sequence split for a head split, attention runs on whole sequences of heads / cp heads), or
+    # "hierarchical" (all-to-all inside groups of context_parallel_a2a_size ranks, all-gather across the groups;
+    # Megatron's a2a+p2p).
+    context_parallel_mode: Literal["all_gather", "all_to_all", "hierarchical"] = "all_gather"
+    context_parallel_a2a_size: int = 1
+    # Hybrid sharding (HSDP) under ZeRO-3: the data-parallel ranks form data_parallel_replicate_size replicas of
+    # data_parallel_size / data_parallel_replicate_size shards each; parameters are sharded inside a replica and
+    # gradients all-reduced across replicas (torchtitan's dp_replicate x dp_shard). 1: shard over all of them.
+    data_parallel_replicate_size: int = 1
     sequence_parallel: bool | Auto = False
     pipeline_num_layers: Optional[int] = None
     custom_pipeline_stage_id: Optional[list[int]] = None
-    pipeline_schedule: str = "1f1b"  # one of dufu.parallel.pipeline.SCHEDULES
+    # one of dufu.parallel.pipeline.SCHEDULES ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble",
+    # "zbv", "dualpipev"; the last two place two stages per rank in a V: virtual_pipeline_size 2)
+    pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int | Auto = 1
     # A collective that waits longer than this (a dead or hung rank) stops the job with an error; from the end of
     # the first step on (dufu.parallel.launch.enter_steady_state).
