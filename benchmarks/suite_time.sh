@@ -25,18 +25,24 @@ out="$repo/benchmarks/results/suite-$(date -u +%F)${label:+-$label}.txt"
   echo "load before: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "started:   $(date -u +%FT%TZ)"
 } > "$out.head"
+# CPU time of the whole machine (all cores, /proc/stat): how busy the suite kept the cores, from the busy and total
+# jiffies before and after (idle + iowait count as idle).
+cpu_jiffies() { awk '/^cpu /{idle=$5+$6; t=0; for(i=2;i<=NF;i++) t+=$i; print t-idle, t}' /proc/stat; }
+read -r busy0 total0 < <(cpu_jiffies)
 start=$(date +%s)
 set +e
 (cd "$work/clone" && bash .ci/run) > "$out.body" 2>&1
 rc=$?
 set -e
 end=$(date +%s)
+read -r busy1 total1 < <(cpu_jiffies)
 {
   cat "$out.head"
   echo "ended:     $(date -u +%FT%TZ)"
   echo "load after: $(cut -d' ' -f1-3 /proc/loadavg)"
   echo "exit code: $rc"
   echo "wall time: $((end - start)) s (install and tests)"
+  echo "cpu busy:  $(( 100 * (busy1 - busy0) / (total1 - total0) ))% of $(nproc) cores over the run"
   echo
   cat "$out.body"
 } > "$out"
