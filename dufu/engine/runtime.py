@@ -168,7 +168,7 @@ class Runtime:
             data_parallel=self.dims.dp_enabled, zero_stage=zero.stage if zero.enabled else None,
             activation_checkpoint=t.activation_checkpoint.mode if t.activation_checkpoint.enabled else None,
             compile=self.compile.enabled, expert_mesh=self.expert_mesh, context_parallel=self.cp,
-            mp_policy=mp_policy,
+            mp_policy=mp_policy, data_mesh=self.world.fsdp_mesh,
         )
         if self.pretrained.checkpoint is not None:  # each rank reads the chunks of its own shards (DCP)
             ckpt = self.pretrained.checkpoint

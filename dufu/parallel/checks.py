@@ -87,12 +87,21 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
         )
     if dims.context_parallel_size > 1:
         check_context_parallel(dims.context_parallel_size, model, seq_length)
+        check_context_parallel_heads(dims, model)
     zero = zero_cfg.enabled
     if zero and dims.data_axis_size == 1:
         raise LayoutError(
             f"ZeRO stage {zero_cfg.stage} shards state across data-parallel ranks, but data_parallel_size "
             "is 1, so there is nothing to shard. Use more data-parallel ranks (train.dist.data_parallel_size) or "
             "set train.zero_optimization.enabled=False."
+        )
+    if dims.hsdp_enabled and not zero:
+        R = dims.data_parallel_replicate_size
+        raise LayoutError(
+            f"train.dist.data_parallel_replicate_size = {R} makes {R} replicas of dp {dims.data_parallel_size} / {R} "
+            f"= {dims.data_parallel_size // R} shards, but ZeRO is off: without sharding every data-parallel rank "
+            "already holds a whole replica. Turn ZeRO on (train.zero_optimization.enabled=True, stage 1, 2 or 3: "
+            "hybrid sharding), or set train.dist.data_parallel_replicate_size=1."
         )
     pp = dims.pipeline_parallel_size
     schedule = dist_cfg.pipeline_schedule
@@ -166,6 +175,36 @@ def check_context_parallel(cp: int, model, seq_length: int) -> None:
             f"context parallelism cuts each sequence into 2 x cp = {step} chunks (two per rank, for balanced causal "
             f"work), but seq_length {seq_length} / {step} = {seq_length / step:g} is not whole. Use a sequence "
             f"length divisible by {step} (nearest: {nearest}), or another context_parallel_size.")
+
+
+def check_context_parallel_heads(dims, model) -> None:
+    """Under an all-to-all of heads (context_parallel_mode "all_to_all" or "hierarchical",
+    :mod:`dufu.parallel.context_parallel`) the a2a size divides every attention's query heads on a tensor-parallel
+    rank (key/value heads it does not divide are repeated, so they need nothing)."""
+    A, cp, tp = dims.context_a2a_size, dims.context_parallel_size, dims.tensor_parallel_size
+    if A == 1:
+        return
+    mode = dims.context_parallel_mode
+    for name, m in model.named_modules():
+        if not isinstance(m, Attention):
+            continue
+        heads = m.num_heads // tp
+        if heads % A == 0:
+            continue
+        per_rank = f"{m.num_heads} / tensor_parallel_size {tp} = {heads}" if tp > 1 else f"{m.num_heads}"
+        fits = [d for d in range(2, cp) if heads % d == 0 and cp % d == 0]  # hierarchical a2a sizes that work
+        hierarchical = (f"train.dist.context_parallel_mode=hierarchical with context_parallel_a2a_size among "
+                        f"{fits}, " if fits else "")
+        if mode == "all_to_all":
+            splits, fix = f"context_parallel_size {cp}", f"a context_parallel_size that divides {heads}, {hierarchical}"
+        else:
+            splits, fix = f"context_parallel_a2a_size {A}", hierarchical.replace(
+                "train.dist.context_parallel_mode=hierarchical with ", "")
+        raise LayoutError(
+            f"context_parallel_mode={mode} splits the attention heads of each tensor-parallel rank over "
+            f"{splits}, but {name or type(m).__name__} has {per_rank} query heads per rank, and {heads} / {A} = "
+            f"{heads / A:g} is not whole. Use {fix}or train.dist.context_parallel_mode=all_gather (any head "
+            "count).")
 
 
 def _sentence(reason: str) -> str:

@@ -23,6 +23,24 @@ the all-gather is one collective per tensor and layer that every backend has (it
 gloo and NCCL alike), and the CPU and the GPU run the same algorithm. A ring's overlap pays where a GPU's
 attention block takes longer than a hop, which this machine cannot measure.
 
+All-to-all modes (``train.dist.context_parallel_mode``). ``"all_to_all"`` is DeepSpeed-Ulysses (Jacobs et al.
+2023; Megatron's ``a2a``): inside attention an all-to-all over the cp group trades the sequence split for a head
+split, q, k, v (B, nh, T/cp, hs) -> (B, nh/cp, T, hs), attention runs on whole sequences of this rank's heads
+exactly as on one device, and a second all-to-all turns the output back. Per layer and direction a rank sends
+(cp - 1) / cp of its q, k, v and output, (2 + 2 nkv/nh) (cp - 1) / cp times the bytes of its q, where the
+all-gather mode receives the other ranks' K and V, 2 nkv/nh (cp - 1) times them: when the sequence grows with cp,
+the all-to-all's volume per rank stays constant (Jacobs et al. 2023, section 3.2) and the all-gather's grows with
+cp; at small cp with few key/value heads the all-gather moves less (cp 2, nkv/nh = 1/4: 0.5 against 1.25). Its
+limit: cp ranks split the heads, so cp must divide the (tensor-parallel) rank's heads. ``"hierarchical"``
+(Megatron's ``a2a+p2p``, with the all-gather in place of the ring) runs the all-to-all inside groups of
+``context_parallel_a2a_size`` A neighbouring cp ranks (heads split A ways) and all-gathers K and V across the
+cp / A groups; A need only divide the heads. The rank order the all-to-alls produce is the layout's, not the
+sequence's: member j of a group sends and receives its chunks (j, 2 cp - 1 - j), so the received tokens are
+put in sequence order by the same permutation as the all-gather's (:meth:`ContextParallel.global_order`) under
+Ulysses, and hierarchical queries keep their chunks' ids (:meth:`ContextParallel.query_chunk_ids`) for the causal
+mask. Grouped-query K and V whose heads A does not divide are repeated to lcm(nkv, A) heads before the all-to-all
+(their gradients summed back), so every rank gets the K/V heads of its query heads.
+
 Kernels. Causal attention without a padding mask, bias or dropout (every decoder's training step) runs
 mask-free on every device :func:`causal_kernel` names (:class:`_CausalChunks`): each query chunk ``a`` makes
 two calls of a fused kernel that returns its log-sum-exp, one over the chunks before it (no mask) and one over
@@ -48,6 +66,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 from typing import Callable, Optional, Union
 
 import torch
@@ -64,19 +83,33 @@ from dufu.torch_versions import has_single_functional_collectives
 _all_gather = funcol.all_gather_single if has_single_functional_collectives() else funcol.all_gather_tensor
 _reduce_scatter = (funcol.reduce_scatter_single if has_single_functional_collectives()
                    else funcol.reduce_scatter_tensor)
+_all_to_all = funcol.all_to_all_single  # the same name in torch 2.11 and 2.13
 
 
 class ContextParallel:
     """One rank's view of its context-parallel group: which tokens it holds, how to split a batch, and attention
     over the whole sequence. ``group``: the cp process group (None for a test of one rank's arithmetic with
     ``gather`` given); ``size``, ``rank``: cp and this rank's place in it; ``positions``: the model's
-    ``default_position_ids(input_ids)`` (:func:`apply_context_parallel` sets it) or None for ``0 .. T-1``."""
+    ``default_position_ids(input_ids)`` (:func:`apply_context_parallel` sets it) or None for ``0 .. T-1``.
+    ``a2a_size`` A: how many neighbouring cp ranks each all-to-all of heads spans (1: none, K/V all-gathered over
+    the group; ``size``: Ulysses; between: hierarchical), ``a2a_group`` the A ranks of this rank's all-to-all
+    (cp ranks ``rank // A x A ..`` + A - 1) and ``gather_group`` the size / A ranks (one per all-to-all group, at
+    this rank's place in it) that all-gather K/V; both default to ``group`` where they are the whole group.
+    ``all_to_all(x, group)``: a stand-in for the all-to-all along dim 0 (the planner's trace), as ``gather``."""
 
     def __init__(self, group, size: int, rank: int, positions: Optional[Callable] = None,
-                 gather: Optional[Callable] = None):
+                 gather: Optional[Callable] = None, a2a_size: int = 1, a2a_group=None, gather_group=None,
+                 all_to_all: Optional[Callable] = None):
+        if a2a_size < 1 or size % a2a_size:
+            raise ValueError(f"the all-to-all of heads spans a2a_size {a2a_size} ranks, which must divide the "
+                             f"context-parallel size {size}")
         self.group, self.size, self.rank = group, size, rank
         self.positions = positions
         self._gather = gather  # tests: a stand-in for the all-gather
+        self._all_to_all = all_to_all
+        self.a2a_size = a2a_size
+        self.a2a_group = group if a2a_group is None and a2a_size == size else a2a_group
+        self.gather_group = group if gather_group is None and a2a_size == 1 else gather_group
         self.active = True
         # The device whose causal kernel attention takes (causal_kernel), None for the tensors' own; the planner's
         # trace of a GPU step, which runs on fake CPU tensors, sets the device it stands for.
@@ -97,8 +130,18 @@ class ContextParallel:
 
     def global_order(self, T: int, device=None) -> torch.Tensor:
         """The permutation that puts the rank-ordered concatenation of every rank's tokens in sequence order."""
-        held = torch.cat([self.token_index(T, device, r) for r in range(self.size)])  # (T,) position of each slot
-        return torch.argsort(held)
+        return torch.argsort(self.rank_order(T, device))
+
+    def rank_order(self, T: int, device=None) -> torch.Tensor:
+        """(T,) the position of each slot of the rank-ordered concatenation of every rank's tokens: the
+        permutation that puts a whole sequence in that order (the inverse of :meth:`global_order`)."""
+        return torch.cat([self.token_index(T, device, r) for r in range(self.size)])
+
+    def query_chunk_ids(self) -> tuple[int, ...]:
+        """The chunks whose queries this rank computes attention for: its own two, or under an all-to-all of
+        heads those of every member of its all-to-all group, in member order (what the all-to-all returns)."""
+        first = self.rank // self.a2a_size * self.a2a_size
+        return tuple(a for r in range(first, first + self.a2a_size) for a in self.chunk_ids(r))
 
     @contextlib.contextmanager
     def paused(self):
@@ -141,46 +184,110 @@ class ContextParallel:
         token's gradient from every rank's queries and returns it to the rank that holds it)."""
         return self.gather_all((x,), dim)[0]
 
-    def gather_all(self, xs: tuple[torch.Tensor, ...], dim: int) -> tuple[torch.Tensor, ...]:
+    def gather_all(self, xs: tuple[torch.Tensor, ...], dim: int, group=None) -> tuple[torch.Tensor, ...]:
         """:meth:`gather` of several tensors of the same tokens (K and V): every all-gather is issued before any
-        is waited for, and in backward every reduce-scatter before any is waited for."""
+        is waited for, and in backward every reduce-scatter before any is waited for. ``group``: the ranks to
+        gather from (default the cp group), whose parts concatenate in cp rank order (the hierarchical mode's
+        ``gather_group``: each part holds its all-to-all group's tokens, in member order)."""
         if self._gather is not None:
             parts = tuple(self._gather(x, dim) for x in xs)
         else:
-            parts = _GatherSequence.apply(dim, self.group, *xs)
+            parts = _GatherSequence.apply(dim, self.group if group is None else group, *xs)
         order = self.global_order(parts[0].shape[dim], xs[0].device)
         return tuple(p.index_select(dim, order) for p in parts)
+
+    def heads_for_sequence(self, xs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        """The all-to-all of the all-to-all group: each (B, H, T/cp, hs) of this rank's tokens becomes
+        (B, H/A, A T/cp, hs), this rank's H/A heads (its place in the group) of every member's tokens, members in
+        cp rank order. All are issued before any is waited for."""
+        A = self.a2a_size
+        sends = [x.unflatten(1, (A, -1)).transpose(0, 1) for x in xs]  # (A, B, H/A, Tl, hs): part j to member j
+        got = self._exchange(sends)  # (A, B, H/A, Tl, hs): part j from member j
+        return tuple(g.permute(1, 2, 0, 3, 4).flatten(2, 3) for g in got)
+
+    def sequence_for_heads(self, y: torch.Tensor) -> torch.Tensor:
+        """The inverse of :meth:`heads_for_sequence`: (B, H/A, A T/cp, hs) -> (B, H, T/cp, hs)."""
+        A = self.a2a_size
+        send = y.unflatten(2, (A, -1)).permute(2, 0, 1, 3, 4)  # (A, B, H/A, Tl, hs): member j's tokens to j
+        got = self._exchange([send])[0]  # (A, B, H/A, Tl, hs): head group j from member j
+        return got.transpose(0, 1).flatten(1, 2)
+
+    def _exchange(self, sends: list) -> tuple:
+        if self._all_to_all is not None:
+            return tuple(self._all_to_all(x, self.a2a_group) for x in sends)
+        return _AllToAll.apply(self.a2a_group, *sends)
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attention_mask: Optional[torch.Tensor],
                   causal: bool, scale: Optional[float], dropout_p: float, enable_gqa: bool) -> torch.Tensor:
         """Attention of this rank's queries q (B, nh, T/cp, hs) over the whole sequence, from this rank's keys and
         values (B, nkv, T/cp, hs); ``attention_mask``: this rank's part of a (B, T) padding mask (1 = token) or of
-        an additive (B|1, 1, 1, T) bias, or None."""
-        k, v = self.gather_all((k, v), 2)  # (B, nkv, T, hs)
-        Tl = q.shape[2]
+        an additive (B|1, 1|nh, 1, T) bias, or None. ``enable_gqa``: nkv < nh (read from the shapes here, which
+        an all-to-all of heads changes)."""
+        A = self.a2a_size
+        if A == 1:
+            k, v = self.gather_all((k, v), 2)  # (B, nkv, T, hs)
+            keep, bias = self._whole_mask(attention_mask, q.dtype)
+            return self._chunked(q, k, v, keep, bias, causal, scale, dropout_p, self.chunk_ids())
+        if q.shape[1] % A:
+            raise ValueError(f"an all-to-all over {A} context-parallel ranks splits the {q.shape[1]} query heads of "
+                             f"this rank {A} ways, which is not whole (dufu.parallel.checks refuses this at start-up)")
+        m = math.lcm(k.shape[1], A)  # K/V heads every rank can take its share of, and that divide nh
+        k, v = (t.repeat_interleave(m // t.shape[1], dim=1) if m != t.shape[1] else t for t in (k, v))
+        q, k, v = self.heads_for_sequence((q, k, v))  # (B, nh/A, A T/cp, hs), (B, m/A, A T/cp, hs)
+        keep, bias = self._whole_mask(attention_mask, q.dtype)
+        if bias is not None and bias.shape[1] > 1:  # a bias per head: this rank's heads after the all-to-all
+            bias = bias.unflatten(1, (A, -1))[:, self.rank % A]
+        if A == self.size:  # Ulysses: whole sequences, put in sequence order, attended as on one device
+            T = q.shape[2]
+            order = self.global_order(T, q.device)
+            q, k, v = (t.index_select(2, order) for t in (q, k, v))  # (B, h, T, hs)
+            if causal and keep is None and bias is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
+                                                   enable_gqa=q.shape[1] != k.shape[1])
+            else:
+                y = self._masked(q, k, v, keep, bias, causal, scale, dropout_p, (0,))
+            y = y.index_select(2, self.rank_order(T, q.device))  # (B, nh/A, T, hs) in rank order
+        else:  # hierarchical: the other groups' K/V gathered, the group's queries keep their chunks' ids
+            k, v = self.gather_all((k, v), 2, group=self.gather_group)  # (B, m/A, T, hs)
+            y = self._chunked(q, k, v, keep, bias, causal, scale, dropout_p, self.query_chunk_ids())
+        return self.sequence_for_heads(y)  # (B, nh, T/cp, hs)
+
+    def _whole_mask(self, attention_mask, dtype) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """(keep, bias) of the whole sequence from this rank's part of a padding mask or an additive bias."""
         keep = bias = None
         if attention_mask is not None:
             if attention_mask.dim() == 2:
                 keep = self.gather(attention_mask.detach(), 1).to(torch.bool)[:, None, None, :]  # (B, 1, 1, T)
             elif attention_mask.dtype != torch.bool and attention_mask.shape[-2] == 1:
-                bias = self.gather(attention_mask, attention_mask.dim() - 1).to(q.dtype)  # (B|1, 1|nh, 1, T)
+                bias = self.gather(attention_mask, attention_mask.dim() - 1).to(dtype)  # (B|1, 1|nh, 1, T)
             else:
                 raise ValueError(f"context parallelism takes a (B, T) padding mask or a (B, 1, 1, T) bias, got an "
                                  f"attention mask of shape {tuple(attention_mask.shape)} (document masks and "
                                  "query-dependent biases are not supported with it)")
-        kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=enable_gqa)
-        if not causal:
-            mask = keep if keep is not None else bias
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+        return keep, bias
+
+    def _chunked(self, q, k, v, keep, bias, causal: bool, scale, dropout_p: float, ids) -> torch.Tensor:
+        """Attention of queries q (B, nh, n c, hs), the chunks ``ids`` (c tokens each) in that order, over the
+        whole sequence's keys and values (B, nkv, T, hs) in sequence order."""
         kernel = None
-        if keep is None and bias is None and dropout_p == 0.0:
+        if causal and keep is None and bias is None and dropout_p == 0.0:
             kernel = causal_kernel(self.device_type or q.device.type, q.dtype)
         if kernel is not None and q.is_cuda:
             kernel = _usable_on_this_gpu(kernel, q, k, v)
         if kernel is not None:  # grouped-query K/V (fewer heads than q) are repeated inside, per call
-            return _CausalChunks.apply(q, k, v, self.chunk_ids(), scale, kernel)
-        c, out = Tl // 2, []
-        for j, a in enumerate(self.chunk_ids()):
+            return _CausalChunks.apply(q, k, v, tuple(ids), scale, kernel)
+        return self._masked(q, k, v, keep, bias, causal, scale, dropout_p, ids)
+
+    @staticmethod
+    def _masked(q, k, v, keep, bias, causal: bool, scale, dropout_p: float, ids) -> torch.Tensor:
+        """:meth:`_chunked` with a (chunk x keys) mask per query chunk and SDPA (any mask, dropout, device); chunk
+        ``a`` of c tokens sees the keys up to its end. One chunk of id 0 is a whole sequence in order."""
+        kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=q.shape[1] != k.shape[1])
+        if not causal:
+            mask = keep if keep is not None else bias
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
+        c, out = q.shape[2] // len(ids), []
+        for j, a in enumerate(ids):
             end = (a + 1) * c  # chunk a sees keys 0 .. end-1 (the chunks before it and itself, causally)
             qi = torch.arange(a * c, end, device=q.device)[:, None]  # (c, 1) global query positions
             m = torch.arange(end, device=q.device)[None, :] <= qi  # (c, end): causal, bottom-right aligned
@@ -190,7 +297,7 @@ class ContextParallel:
                 ~m, torch.finfo(q.dtype).min) + bias[..., :end]
             out.append(F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], k[:, :, :end], v[:, :, :end],
                                                       attn_mask=mask, **kw))  # (B, nh, c, hs)
-        return torch.cat(out, dim=2)  # (B, nh, T/cp, hs)
+        return torch.cat(out, dim=2)  # (B, nh, n c, hs)
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
@@ -295,7 +402,8 @@ def _usable_on_this_gpu(kernel: FusedAttention, q, k, v) -> Optional[FusedAttent
 
 
 class _CausalChunks(torch.autograd.Function):
-    """Causal attention of the rank's two query chunks (chunk ids ``a``) over the gathered keys, without a mask:
+    """Causal attention of the rank's query chunks (chunk ids ``a``: its own two, or under the hierarchical mode
+    its all-to-all group's 2 A) over the gathered keys, without a mask:
     each chunk attends to the keys before it (no mask) and to its own chunk (square, causal), two calls of a
     fused ``kernel`` (:class:`FusedAttention`) whose outputs merge by their log-sum-exps; the backward runs each
     call's kernel backward with the merged output and log-sum-exp, which gives each part's exact gradients (the
@@ -309,7 +417,7 @@ class _CausalChunks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, chunk_ids, scale, kernel: FusedAttention):
-        c = q.shape[2] // 2
+        c = q.shape[2] // len(chunk_ids)
         kv = (k, v)  # (B, nkv, T, hs) as gathered: what is saved
         k, v = _repeated(k, q), _repeated(v, q)  # (B, nh, T, hs)
         outs, lses, states = [], [], []
@@ -329,17 +437,17 @@ class _CausalChunks(torch.autograd.Function):
             states.append((own, past))
         ctx.chunk_ids, ctx.scale, ctx.kernel, ctx.states = tuple(chunk_ids), scale, kernel, states
         ctx.save_for_backward(q, *kv, *outs, *lses)
-        return torch.cat(outs, dim=2)  # (B, nh, 2c, hs)
+        return torch.cat(outs, dim=2)  # (B, nh, n c, hs)
 
     @staticmethod
     def backward(ctx, grad):
-        kernel, scale = ctx.kernel, ctx.scale
-        q, k0, v0, o0, o1, lse0, lse1 = ctx.saved_tensors
-        c = q.shape[2] // 2
+        kernel, scale, n = ctx.kernel, ctx.scale, len(ctx.chunk_ids)
+        q, k0, v0, *rest = ctx.saved_tensors
+        outs, lses = rest[:n], rest[n:]
+        c = q.shape[2] // n
         k, v = _repeated(k0, q), _repeated(v0, q)  # (B, nh, T, hs)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for j, (a, o, lse, (own_state, past_state)) in enumerate(zip(ctx.chunk_ids, (o0, o1), (lse0, lse1),
-                                                                     ctx.states)):
+        for j, (a, o, lse, (own_state, past_state)) in enumerate(zip(ctx.chunk_ids, outs, lses, ctx.states)):
             rows = slice(j * c, (j + 1) * c)
             g, qj = grad[:, :, rows].contiguous(), q[:, :, rows]
             own = slice(a * c, (a + 1) * c)
@@ -392,6 +500,26 @@ class _GatherSequence(torch.autograd.Function):
         return (None, None, *(_waited(p) for p in pending))
 
 
+class _AllToAll(torch.autograd.Function):
+    """All-to-all of each tensor of ``xs`` over ``group`` along dim 0, in equal parts (part j to member j, the
+    result's part j from member j); backward: the same all-to-all of each gradient, which returns every part to
+    the member it came from. Every collective is issued before the first is waited for (q, k and v travel
+    together). A Function around the functional collective rather than torch's ``all_to_all_single_autograd``
+    for :class:`_GatherSequence`'s reason: selective activation checkpointing keeps the outputs of
+    ``_c10d_functional`` ops and replays the forward with them, without communicating again."""
+
+    @staticmethod
+    def forward(ctx, group, *xs):
+        ctx.group = group
+        pending = [_all_to_all(x.contiguous(), None, None, group) for x in xs]  # all in flight
+        return tuple(_waited(p) for p in pending)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        pending = [_all_to_all(g.contiguous(), None, None, ctx.group) for g in grads]
+        return (None, *(_waited(p) for p in pending))
+
+
 def _waited(t: torch.Tensor) -> torch.Tensor:
     """A functional collective's result as a plain tensor (its AsyncCollectiveTensor waited for)."""
     return t.wait() if hasattr(t, "wait") else t
@@ -412,8 +540,13 @@ def apply_context_parallel(model: nn.Module, cp: ContextParallel) -> nn.Module:
 
 def build_context_parallel(dims, world) -> Optional[ContextParallel]:
     """This rank's :class:`ContextParallel` when ``dims`` have cp > 1 (else None): its group from the context view
-    ("pipeline", "samples", "context", "tensor") of the run's mesh (:meth:`ParallelDims.build_world`)."""
+    ("pipeline", "samples", "context", "tensor") of the run's mesh (:meth:`ParallelDims.build_world`), and under
+    the hierarchical mode the all-to-all and all-gather groups from its ("context_outer", "context_inner") view."""
     if not dims.cp_enabled:
         return None
-    mesh = world.context_mesh
-    return ContextParallel(mesh.get_group("context"), dims.context_parallel_size, mesh.get_local_rank("context"))
+    mesh, levels = world.context_mesh, world.context_levels_mesh
+    groups = {}
+    if levels is not None:
+        groups = dict(a2a_group=levels.get_group("context_inner"), gather_group=levels.get_group("context_outer"))
+    return ContextParallel(mesh.get_group("context"), dims.context_parallel_size, mesh.get_local_rank("context"),
+                           a2a_size=dims.context_a2a_size, **groups)

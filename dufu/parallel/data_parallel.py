@@ -37,6 +37,16 @@ head unit of its own would reduce its gradient at the start of backward, on top 
 
 On gloo (CPU), gradients are reduce-scattered by :class:`InPlaceReduceScatter`.
 
+**Hybrid sharding (HSDP)**, ``train.dist.data_parallel_replicate_size`` R > 1: the same units on a 2-D mesh
+("dp_replicate", "dp_shard") of the data axis (:meth:`dufu.parallel.parallel_dims.ParallelDims.build_world`),
+FSDP2's own HSDP: each unit is sharded over the dp / R x cp ranks of its replica and gathered from them only, and
+after the reduce-scatter inside a replica the gradient shards are all-reduced across the R replicas; FSDP2 divides
+by both sizes, so the gradient is the average over all dp x cp ranks, as without it (torchtitan's
+dp_replicate x dp_shard). It applies to every ZeRO stage: stages 1 and 2 shard gradients and optimizer state
+within a replica and keep the blocks gathered through the step (Megatron's distributed-optimizer instances), stage
+3 also frees parameters after forward. Without ZeRO every rank already holds whole parameters: R > 1 is refused
+there (:func:`dufu.parallel.checks.validate_layout`).
+
 **Mixed precision** (:func:`mixed_precision_policy`, torchtitan's recipe on FSDP2's ``MixedPrecisionPolicy``): when
 the run computes in bf16 or fp16 under autocast, every unit gathers its parameters in that dtype
 (``train.amp.param_dtype``) and reduces its gradients in fp32 (``train.amp.reduce_dtype``). Each weight is cast
@@ -255,7 +265,13 @@ class InPlaceReduceScatter:
 
 def apply_fsdp(model: nn.Module, dp_mesh, stage: int, mp_policy: MixedPrecisionPolicy | None = None) -> nn.Module:
     """ZeRO ``stage`` (1, 2 or 3) on ``dp_mesh`` with the units of the module docstring, each with ``mp_policy``
-    (:func:`mixed_precision_policy`; None: gather and reduce in the parameters' dtype)."""
+    (:func:`mixed_precision_policy`; None: gather and reduce in the parameters' dtype). ``dp_mesh``: the data axis
+    (1-D: shard over all of it), or under hybrid sharding the 2-D ("dp_replicate", "dp_shard") mesh
+    (:attr:`dufu.parallel.parallel_dims.World.fsdp_mesh`: replicate across its first axis, shard over its
+    second)."""
+    if dp_mesh.ndim not in (1, 2):
+        raise ValueError(f"apply_fsdp shards over a 1-D data mesh or a 2-D (replicate, shard) mesh, got a "
+                         f"{dp_mesh.ndim}-D mesh {dp_mesh.mesh_dim_names}")
     kwargs = {"mesh": dp_mesh, **_policy_kwargs(mp_policy)}
     # Under stages 1 and 2 every block stays gathered from its forward to its backward anyway; a head unit of
     # its own would reduce its gradient at the start of backward, on top of all of them (measured: +11 MiB at
@@ -275,7 +291,8 @@ def apply_fsdp(model: nn.Module, dp_mesh, stage: int, mp_policy: MixedPrecisionP
         _allow_bare_copies(last)
     # The root spans the whole forward and backward: its own parameters (if any) are needed at both ends.
     fully_shard(model, reshard_after_forward=False, **kwargs)
-    if dist.get_backend(dp_mesh.get_group()) == "gloo":
+    # the shard axis (the last): its reduce-scatter (the all-reduce across replicas is FSDP's own)
+    if dist.get_backend(dp_mesh.get_group(dp_mesh.ndim - 1)) == "gloo":
         comm = InPlaceReduceScatter()
         for unit in [b for _, b in transformer_blocks(model)] + embeddings[:1] + last[:1] + [model]:
             unit.set_custom_reduce_scatter(comm)

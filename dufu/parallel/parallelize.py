@@ -34,6 +34,7 @@ def parallelize(
     expert_mesh=None,
     context_parallel=None,
     mp_policy=None,
+    data_mesh=None,
 ) -> nn.Module:
     """Apply, in this order: TP (+SP) on ``mesh["tensor"]``, activation checkpointing, compile, then
     data parallelism on ``mesh["data"]``: FSDP2 for ZeRO stages 1-3, ``replicate`` (DDP) without ZeRO.
@@ -45,6 +46,8 @@ def parallelize(
     else None. ``context_parallel``: the rank's :class:`~dufu.parallel.context_parallel.ContextParallel`, or None.
     ``mp_policy``: FSDP2's ``MixedPrecisionPolicy`` for every data-parallel unit (the experts' too)
     (:func:`dufu.parallel.data_parallel.mixed_precision_policy`), None to gather and reduce in fp32.
+    ``data_mesh``: under hybrid sharding the ("dp_replicate", "dp_shard") mesh ZeRO shards over in place of
+    ``mesh["data"]`` (:attr:`dufu.parallel.parallel_dims.World.fsdp_mesh`), else None.
     """
     if tensor_parallel:
         # DTensor's and FSDP's modules (~1 s) load when a layout uses them, not with `import dufu.parallel`
@@ -85,7 +88,7 @@ def parallelize(
 
             apply_expert_data_parallel(model, expert_mesh["expert_data"], zero_stage, mp_policy=mp_policy)
         if zero_stage:
-            apply_fsdp(model, mesh["data"], zero_stage, mp_policy=mp_policy)
+            apply_fsdp(model, mesh["data"] if data_mesh is None else data_mesh, zero_stage, mp_policy=mp_policy)
         else:
             apply_replicate(model, mesh["data"], mp_policy=mp_policy)
     return model

@@ -139,7 +139,8 @@ def _rehearse_rank(cfg, plan, world_size: int, rank: int, predicted: list[dict])
             data_parallel=dims.dp_enabled, zero_stage=zero.stage if zero.enabled else None,
             activation_checkpoint=t.activation_checkpoint.mode if t.activation_checkpoint.enabled else None,
             compile=False, expert_mesh=world.expert_mesh if world else None,
-            context_parallel=build_context_parallel(dims, world) if world is not None else None)
+            context_parallel=build_context_parallel(dims, world) if world is not None else None,
+            data_mesh=world.fsdp_mesh if world is not None else None)
         coordinate = dict(zip(("pipeline", "data", "tensor"), mesh.get_coordinate())) if mesh is not None else \
             {"pipeline": 0, "data": 0, "tensor": 0}
         memory = held_bytes(parts.modules)

@@ -1,12 +1,14 @@
 """Context parallelism's parts: the load-balanced layout, splitting a batch, the mask-free causal kernel of each device
 (its merge and backward against plain causal attention, the CUDA kernels' plumbing on stand-ins and meta tensors), K
-and V in flight together, attention over the gathered keys and values against one device (several processes), and
-the start-up refusals with their arithmetic."""
+and V in flight together, attention over the gathered keys and values against one device (several processes), the
+all-to-all modes (Ulysses, hierarchical) against one device with every rank a thread of this process, and the
+start-up refusals with their arithmetic."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import threading
 
 import pytest
 import torch
@@ -70,6 +72,19 @@ def test_batches_context_parallelism_cannot_split_are_refused(inputs, fragment):
     assert fragment in str(info.value)
 
 
+def test_an_all_to_all_groups_queries_are_its_members_chunks_in_member_order():
+    """cp 4: hierarchical groups of 2 (cp ranks [0,1] and [2,3]) attend for chunks (0, 7, 1, 6) and (2, 5, 3, 4);
+    Ulysses' one group for every chunk, in rank order (which global_order puts in sequence order)."""
+    assert [ContextParallel(None, 4, r, a2a_size=2).query_chunk_ids() for r in range(4)] == \
+        [(0, 7, 1, 6)] * 2 + [(2, 5, 3, 4)] * 2
+    ulysses = ContextParallel(None, 4, 3, a2a_size=4)
+    assert ulysses.query_chunk_ids() == (0, 7, 1, 6, 2, 5, 3, 4)
+    T = 16
+    assert ulysses.rank_order(T)[ulysses.global_order(T)].tolist() == list(range(T))
+    with pytest.raises(ValueError, match="a2a_size 3 ranks, which must divide the context-parallel size 4"):
+        ContextParallel(None, 4, 0, a2a_size=3)
+
+
 def test_the_world_is_dp_x_cp_x_tp_x_pp():
     dims = ParallelDims(2, 2, 1, 8, context_parallel_size=2)
     assert dims.data_axis_size == 4 and dims.describe().startswith("dp 2 x cp 2 x tp 2 x pp 1 = 8")
@@ -78,6 +93,140 @@ def test_the_world_is_dp_x_cp_x_tp_x_pp():
         ParallelDims(1, 1, 1, 4, context_parallel_size=2)
     with pytest.raises(LayoutError, match="not supported together"):
         ParallelDims(2, 1, 1, 4, expert_parallel_size=2, context_parallel_size=2)
+    hier = ParallelDims(1, 1, 1, 8, context_parallel_size=8, context_parallel_mode="hierarchical",
+                        context_parallel_a2a_size=2)
+    assert hier.context_a2a_size == 2 and "all-to-all within 2, all-gather across 4" in hier.describe()
+    assert ParallelDims(1, 1, 1, 4, context_parallel_size=4, context_parallel_mode="all_to_all").context_a2a_size == 4
+    assert ParallelDims(4, 1, 1, 4, context_parallel_mode="all_to_all").context_a2a_size == 1  # no cp: no exchange
+    with pytest.raises(LayoutError, match="context_parallel_mode = 'ring' is not known"):
+        ParallelDims(1, 1, 1, 2, context_parallel_size=2, context_parallel_mode="ring")
+    hsdp = ParallelDims(2, 1, 1, 4, context_parallel_size=2, data_parallel_replicate_size=2)
+    assert hsdp.data_shard_size == 2 and "2 replicas x 2 shards" in hsdp.describe()  # a replica: the cp pair
+    with pytest.raises(LayoutError, match="hybrid sharding and expert parallelism are not supported together"):
+        ParallelDims(4, 1, 1, 4, expert_parallel_size=2, data_parallel_replicate_size=2)
+
+
+class ThreadedRanks:
+    """Ranks as threads of this process, for a test: stand-ins of the functional collectives that exchange the
+    tensors of the threads named by a group (a tuple of cp ranks), so that the all-to-all modes run their real
+    code, forward and backward, on every rank at once."""
+
+    def __init__(self):
+        self.cond, self.slots, self.local = threading.Condition(), {}, threading.local()
+
+    def _exchange(self, group, x) -> list:
+        me, count = self.local.rank, self.local.calls
+        key = (group, count.get(group, 0))
+        count[group] = key[1] + 1
+        with self.cond:
+            self.slots.setdefault(key, {})[me] = x.detach().clone()
+            self.cond.notify_all()
+            assert self.cond.wait_for(lambda: len(self.slots[key]) == len(group), timeout=60), f"{key} hangs"
+        return [self.slots[key][r] for r in group]
+
+    def all_to_all(self, x, output_split_sizes, input_split_sizes, group):
+        assert output_split_sizes is None and input_split_sizes is None
+        i, parts = group.index(self.local.rank), self._exchange(group, x)
+        return torch.cat([p.chunk(len(group), 0)[i] for p in parts], 0)
+
+    def all_gather(self, x, dim, group):
+        return torch.cat(self._exchange(group, x), dim)
+
+    def reduce_scatter(self, g, op, dim, group):
+        assert op == "sum"
+        return sum(self._exchange(group, g)).chunk(len(group), dim)[group.index(self.local.rank)]
+
+    def run(self, size: int, fn) -> list:
+        """``fn(rank)`` on ``size`` threads at once -> their results in rank order (a failure re-raised)."""
+        results, errors = [None] * size, []
+
+        def body(rank):
+            self.local.rank, self.local.calls = rank, {}
+            try:
+                results[rank] = fn(rank)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the test's thread
+                errors.append(e)
+                with self.cond:
+                    self.cond.notify_all()
+
+        threads = [threading.Thread(target=body, args=(r,)) for r in range(size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+        return results
+
+
+def threaded_context_parallel(size: int, rank: int, a2a_size: int) -> ContextParallel:
+    """Rank ``rank``'s ContextParallel with groups as ThreadedRanks names them."""
+    first = rank // a2a_size * a2a_size
+    inner = tuple(range(first, first + a2a_size))
+    outer = tuple(range(rank % a2a_size, size, a2a_size))
+    return ContextParallel(tuple(range(size)), size, rank, a2a_size=a2a_size, a2a_group=inner, gather_group=outer)
+
+
+# id: (cp, a2a size, causal, query heads, key/value heads, mask kind, bias per head)
+EXCHANGES = {
+    "ulysses-cp2": (2, 2, True, 4, 4, None),
+    "ulysses-cp4-gqa-kv-repeated": (4, 4, True, 4, 2, None),
+    "ulysses-cp4-padding": (4, 4, True, 8, 2, "padding"),
+    "ulysses-cp2-bidirectional-bias-per-head": (2, 2, False, 4, 4, "head-bias"),
+    "hierarchical-2x2": (4, 2, True, 4, 2, None),
+    "hierarchical-2x2-kv-repeated": (4, 2, True, 4, 1, None),
+    "hierarchical-2x2-padding": (4, 2, True, 4, 2, "padding"),
+    "hierarchical-2x2-bidirectional-padding": (4, 2, False, 4, 4, "padding"),
+    "all-gather-cp4": (4, 1, True, 4, 2, None),
+}
+
+
+@pytest.mark.parametrize("case", list(EXCHANGES))
+def test_all_to_all_modes_equal_one_device(case, monkeypatch):
+    """Outputs and q/k/v gradients of every rank's attention (the all-to-alls, the repeat of key/value heads, the
+    permutations to and from sequence order, the hierarchical K/V all-gather, masks and biases) against one
+    device's SDPA, in fp64: only the order of sums differs, so 1e-12."""
+    cp, A, causal, nh, nkv, kind = EXCHANGES[case]
+    ranks = ThreadedRanks()
+    monkeypatch.setattr(context_parallel, "_all_to_all", ranks.all_to_all)
+    monkeypatch.setattr(context_parallel, "_all_gather", ranks.all_gather)
+    monkeypatch.setattr(context_parallel, "_reduce_scatter", ranks.reduce_scatter)
+    torch.manual_seed(0)
+    B, T, hs = 2, 8 * cp, 8
+    q = torch.randn(B, nh, T, hs, dtype=torch.float64, requires_grad=True)
+    k, v = (torch.randn(B, nkv, T, hs, dtype=torch.float64, requires_grad=True) for _ in range(2))
+    w = torch.randn(B, nh, T, hs, dtype=torch.float64)
+    keep = torch.ones(B, T, dtype=torch.bool)
+    keep[0, -5:] = False  # right padding across the last chunks (causal left padding leaves a query no key)
+    if not causal:
+        keep[1, :3] = False
+    mask = None
+    if kind == "padding":
+        mask = keep.long()  # (B, T) as the model gives it
+        ref_mask = keep[:, None, None, :] & (torch.ones(T, T, dtype=torch.bool).tril() if causal else True)
+    elif kind == "head-bias":
+        mask = torch.randn(1, nh, 1, T, dtype=torch.float64)  # additive, one row per head
+        ref_mask = mask
+    gqa = nkv != nh
+    if mask is None:
+        ref = SDPA(q, k, v, is_causal=causal, enable_gqa=gqa)
+    else:
+        ref = SDPA(q, k, v, attn_mask=ref_mask, enable_gqa=gqa)
+    expected = (ref, *torch.autograd.grad((ref * w).sum(), (q, k, v)))
+
+    def rank_step(rank):
+        cpr = threaded_context_parallel(cp, rank, A)
+        own = cpr.token_index(T)
+        local_mask = None if mask is None else mask.index_select(mask.dim() - 1, own)
+        y = cpr.attention(q[:, :, own], k[:, :, own], v[:, :, own], local_mask, causal, None, 0.0, gqa)
+        return own, y.detach(), torch.autograd.grad((y * w[:, :, own]).sum(), (q, k, v))
+
+    ys, grads = torch.zeros_like(ref), [torch.zeros_like(t) for t in (q, k, v)]
+    for own, y, g in ranks.run(cp, rank_step):
+        ys[:, :, own] = y
+        grads = [a + b for a, b in zip(grads, g)]
+    for name, a, b in zip(("output", "dq", "dk", "dv"), expected, (ys, *grads)):
+        assert (a - b).abs().max().item() < 1e-12, f"{case}: {name}"
 
 
 # id: (recipe, world size, overrides, fragments of the message)

@@ -19,6 +19,9 @@ from dufu.parallel.checks import validate_layout
 from dufu_testing import load_config
 
 DP, TP, PP = "train.dist.data_parallel_size", "train.dist.tensor_parallel_size", "train.dist.pipeline_parallel_size"
+CP, REPLICATE = "train.dist.context_parallel_size", "train.dist.data_parallel_replicate_size"
+MODE, A2A = "train.dist.context_parallel_mode", "train.dist.context_parallel_a2a_size"
+ZERO3 = ("train.zero_optimization.enabled=True", "train.zero_optimization.stage=3")
 SCHEDULE, VIRTUAL = "train.dist.pipeline_schedule", "train.dist.virtual_pipeline_size"
 ACCUM = "train.num_accumulation_steps"
 
@@ -103,6 +106,47 @@ BAD_LAYOUTS = {
     "pipeline-num-layers-mismatch": (
         2, [f"{PP}=2", f"{ACCUM}=2", "train.dist.pipeline_num_layers=3"],
         ["pipeline_num_layers=3 but the model has 2 layers"],
+    ),
+    # hybrid sharding (HSDP): replicas of shards of the data-parallel ranks, under ZeRO
+    "hsdp-replicas-not-dividing-dp": (
+        4, [f"{REPLICATE}=3", *ZERO3],
+        ["data_parallel_replicate_size 3 must divide train.dist.data_parallel_size 4", "4 / 3 = 1.33333",
+         "among [1, 2, 4]"],
+    ),
+    "hsdp-without-zero": (
+        4, [f"{REPLICATE}=2"],
+        ["makes 2 replicas of dp 4 / 2 = 2 shards, but ZeRO is off", "train.zero_optimization.enabled=True",
+         "data_parallel_replicate_size=1"],
+    ),
+    "hsdp-zero-size": (4, [f"{REPLICATE}=0", *ZERO3], ["data_parallel_replicate_size = 0 is not valid"]),
+    # context parallelism's all-to-all modes: the heads of a tensor-parallel rank split over the all-to-all
+    "ulysses-heads": (
+        8, [f"{CP}=8", f"{MODE}=all_to_all"],
+        ["context_parallel_mode=all_to_all splits the attention heads", "context_parallel_size 8",
+         "has 4 query heads per rank, and 4 / 8 = 0.5 is not whole", "context_parallel_a2a_size among [2, 4]",
+         "context_parallel_mode=all_gather"],
+    ),
+    "ulysses-heads-under-tp": (
+        4, [f"{CP}=2", f"{TP}=2", f"{MODE}=all_to_all", "model.num_attention_heads=2"],
+        ["2 / tensor_parallel_size 2 = 1 query heads per rank, and 1 / 2 = 0.5 is not whole"],
+    ),
+    "hierarchical-heads": (
+        8, [f"{CP}=4", f"{TP}=2", f"{MODE}=hierarchical", f"{A2A}=2", "model.num_attention_heads=2"],
+        ["context_parallel_mode=hierarchical", "context_parallel_a2a_size 2", "1 / 2 = 0.5 is not whole"],
+    ),
+    "hierarchical-a2a-not-dividing-cp": (
+        4, [f"{CP}=4", f"{MODE}=hierarchical", f"{A2A}=3"],
+        ["context_parallel_a2a_size 3 ranks, which must divide context_parallel_size 4", "4 / 3 = 1.33333",
+         "among [2]"],
+    ),
+    "hierarchical-is-all-to-all": (
+        2, [f"{CP}=2", f"{MODE}=hierarchical", f"{A2A}=2"],
+        ["is one all-to-all over every rank", "context_parallel_mode=all_to_all"],
+    ),
+    "a2a-size-without-hierarchical": (
+        2, [f"{CP}=2", f"{A2A}=2"],
+        ["context_parallel_a2a_size = 2 is read by context_parallel_mode=hierarchical only",
+         "the mode is 'all_gather'"],
     ),
 }
 
