@@ -70,6 +70,7 @@ def _llama_kwargs(model: LlamaModel) -> dict:
         mlp_bias=b.mlp.gate_proj.bias is not None, embedding_dropout=model.drop.p, hidden_dropout=a.resid_dropout.p,
         attention_dropout=a.attention_dropout, tie_word_embeddings=model.tie_word_embeddings,
         initializer_range=model.initializer_range, fused_loss=model.fused_loss,
+        qk_norm=getattr(a, "q_norm", None) is not None,  # Qwen3: per-head norms of head_dim, which pruning keeps
     )
 
 

@@ -1,6 +1,8 @@
 """What a mixture-of-experts run needs from the trainer: the auxiliary losses' gradient scale, and the load
-balance people read (``moe_aux_loss`` and ``moe_max_load`` in every record, the tokens each expert received in
-``moe_tokens.jsonl``, and ``moe_tokens.png`` at the end).
+balance people read (``moe_aux_loss``, ``moe_max_load`` and ``moe_max_load_step`` in every record, the tokens
+each expert received in ``moe_tokens.jsonl``, and ``moe_tokens.png`` at the end), and the one place that takes
+the layers' routing statistics (:meth:`dufu.layers.moe.MoE.pop_stats`): the step's token counts it keeps in
+:attr:`MoEMonitor.step_counts` are what auxiliary-loss-free balancing reads (:mod:`dufu.engine.moe_balance`).
 
 * **Scale**: each MoE layer's auxiliary losses get the gradient ``1 / micro-batches per rank per step`` (times
   the fp16 loss scale), so that after the data-parallel gradient average a step's auxiliary loss is the mean over
@@ -11,7 +13,9 @@ balance people read (``moe_aux_loss`` and ``moe_max_load`` in every record, the 
   peers count once; each pipeline stage reports its own layers). ``moe_aux_loss`` is the auxiliary loss per
   micro-batch summed over layers (what the gradient adds), ``moe_max_load`` the mean over layers of the busiest
   expert's tokens over the mean expert's (1.0 is perfect balance; top-k over E experts with E / k tokens
-  would be the worst).
+  would be the worst), counted over the whole window; ``moe_max_load_step`` the same ratio of each step's
+  tokens (over all ranks), averaged over the window's steps and the layers: the load a step's experts carry,
+  and the one auxiliary-loss-free balancing acts on, which summing a window's steps would smooth.
 """
 
 from __future__ import annotations
@@ -31,6 +35,13 @@ def moe_layer_names(model) -> list[str]:
     return [n for n, m in model.named_modules() if isinstance(m, MoE)]
 
 
+def max_load(counts: torch.Tensor) -> torch.Tensor:
+    """The busiest expert's tokens over the mean expert's, along the last dim of ``counts`` (..., E); 1.0 where
+    no expert got any."""
+    mean = counts.mean(-1)
+    return torch.where(mean > 0, counts.amax(-1) / mean.clamp(min=1e-30), torch.ones_like(mean))
+
+
 class MoEMonitor(Hook):
     """Built from the whole (meta) model, before it is split: the names of all its MoE layers, in order. A hook of
     the training loop (the auxiliary losses' scale before each forward-backward, the step's forwards kept after
@@ -42,6 +53,9 @@ class MoEMonitor(Hook):
         self.path = Path(output_dir) / "moe_tokens.jsonl"
         self._started = False
         self.window = {}  # layer name -> [aux loss sum, token counts sum, forwards] since the last record
+        self.window_steps = []  # {layer name: the step's token counts (E,)} of each step since the last record
+        # {layer name: tokens per expert (E,), summed over this rank's forwards of the last step}; on the device
+        self.step_counts: dict[str, torch.Tensor] = {}
         layers = [m for m in model.modules() if isinstance(m, MoE)]
         self.top_k = sorted({m.top_k for m in layers})
         # the parameters one token uses: all but the (1 - top_k / E) of the experts it is not routed to
@@ -79,38 +93,50 @@ class MoEMonitor(Hook):
     def after_backward(self, tr, local_loss) -> None:
         """Add the step's forwards to the window: the last ones of each layer (see the module docstring)."""
         rt = tr.runtime
+        self.step_counts = {}
         for name, m in self._layers(rt.model_parts).items():
             forwards = m.pop_stats()[-rt.num_accumulation_steps:]
             if forwards:
+                counts = sum(counts for _, counts in forwards)
+                self.step_counts[name] = counts
                 w = self.window.setdefault(name, [0.0, 0, 0])
                 w[0] = w[0] + sum(aux.detach() for aux, _ in forwards)  # on the device: read at the log step
-                w[1] = w[1] + sum(counts for _, counts in forwards)
+                w[1] = w[1] + counts
                 w[2] += len(forwards)
+        self.window_steps.append(self.step_counts)
 
     def record(self, tr, step: int) -> dict:
         """The window's load-balance metrics (every rank calls this at once: one all-reduce); rank 0 also appends
         the tokens per expert to ``moe_tokens.jsonl``. ``tr``: the runtime."""
         device = collective_device()
-        table = torch.zeros(len(self.names), self.num_experts + 2, dtype=torch.float64, device=device)
-        counted = tr.tp_rank == 0  # tensor-parallel peers hold the same numbers
+        layers, experts = len(self.names), self.num_experts
         window, self.window = self.window, {}
-        for name, (aux, counts, forwards) in window.items():
-            if not counted:
-                continue
-            row = table[self.names.index(name)]
-            row[:counts.numel()] = counts.to(device, torch.float64)
-            row[-2], row[-1] = aux, forwards
+        window_steps, self.window_steps = self.window_steps, []
+        # one all-reduce: (layer, [window's counts, aux, forwards]) and (step, layer, the step's counts)
+        table = torch.zeros(layers * (experts + 2) + len(window_steps) * layers * experts, dtype=torch.float64,
+                            device=device)
+        head = table[:layers * (experts + 2)].view(layers, experts + 2)
+        steps = table[layers * (experts + 2):].view(len(window_steps), layers, experts)
+        if tr.tp_rank == 0:  # tensor-parallel peers hold the same numbers
+            for name, (aux, counts, forwards) in window.items():
+                row = head[self.names.index(name)]
+                row[:counts.numel()] = counts.to(device, torch.float64)
+                row[-2], row[-1] = aux, forwards
+            for i, step_counts in enumerate(window_steps):
+                for name, counts in step_counts.items():
+                    steps[i, self.names.index(name), :counts.numel()] = counts.to(device, torch.float64)
         if tr.world_size > 1:
             dist.all_reduce(table)
-        table = table.cpu()
-        counts, aux, forwards = table[:, :-2], table[:, -2], table[:, -1].clamp(min=1)
-        mean = counts.sum(1) / self.num_experts
-        loads = [float(c.max() / m) if m > 0 else 1.0 for c, m in zip(counts, mean)]
+        head, steps = head.cpu(), steps.cpu()
+        counts, aux, forwards = head[:, :-2], head[:, -2], head[:, -1].clamp(min=1)
+        loads = max_load(counts)  # (L,)
         if tr.is_main:
             with open(self.path, "a") as f:
                 f.write(json.dumps({"step": step, "tokens_per_expert": {
                     n: [int(v) for v in c] for n, c in zip(self.names, counts)}}) + "\n")
-        return {"moe_aux_loss": float((aux / forwards).sum()), "moe_max_load": sum(loads) / len(loads)}
+        step_loads = max_load(steps).mean() if len(window_steps) else loads.mean()
+        return {"moe_aux_loss": float((aux / forwards).sum()), "moe_max_load": float(loads.mean()),
+                "moe_max_load_step": float(step_loads)}
 
     def plot(self, title: str = "") -> Path | None:
         """``moe_tokens.png``: each layer's max/mean load over the run, and each expert's share of the tokens

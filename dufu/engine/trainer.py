@@ -31,6 +31,7 @@ from dufu.engine.batch import local_scalar
 from dufu.engine.weights.checkpoint import Checkpointer
 from dufu.engine.weights.resume_checks import as_request, set_aside_later_checkpoints
 from dufu.engine.hooks import Hooks, RetryStep
+from dufu.engine.moe_balance import load_balance
 from dufu.engine.resilience.preemption import Preemption, clear_marker, write_marker
 from dufu.engine.precision import NAMES
 from dufu.engine.preflight import with_kwargs
@@ -87,7 +88,7 @@ class Trainer:
         # dufu's own hooks first (the replica groups outermost: their step start comes first, their
         # after-points last), then the config's, then the caller's.
         own = [fault_tolerance.replica_groups(self), faults.training_faults(), rt.moe if rt.moe else None,
-               rt.compile_watch]
+               load_balance(self), rt.compile_watch]
         self.hooks = Hooks([h for h in own if h is not None] + [instantiate(h) for h in t.hooks] + list(hooks))
 
     # the parts of the runtime most code reads through a trainer

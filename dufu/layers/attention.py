@@ -10,7 +10,8 @@ way (``num_key_value_heads`` must be divisible by the tensor-parallel size).
 
 Options cover the families: causal or bidirectional, a padding mask, rotary
 position embeddings (LLaMA), an additive position bias (T5, Swin), cross-attention
-(T5 decoder), a custom softmax scale (T5 uses 1), and a key/value cache for
+(T5 decoder), a custom softmax scale (T5 uses 1), a per-head RMSNorm of queries and
+keys before the rotation (Qwen3, :class:`HeadRMSNorm`), and a key/value cache for
 generation.
 
 Packed samples and document masks have one interface, ``position_ids`` that restart
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dufu.layers.linear import Linear
+from dufu.layers.norm import RMSNorm
 from dufu.layers.rotary import RotaryEmbedding, apply_rotary
 
 
@@ -122,6 +124,22 @@ def context_parallel_of(module: nn.Module):
     return cp if cp is not None and cp.active else None
 
 
+class HeadRMSNorm(RMSNorm):
+    """RMSNorm of each head's features: queries or keys (B, nh, T, hs) normalised over hs with one weight of hs
+    shared by all heads (Qwen3's ``q_norm`` / ``k_norm``, applied before the rotary embedding).
+
+    Under tensor parallelism a rank holds whole heads, ``nh / tp`` of them, along dim 1 (the column-parallel
+    projections split by heads), and the weight is replicated: the norm itself needs no communication, but each
+    rank's weight gradient is that of its own heads, so the group's gradients must be summed (transformers' plan
+    calls this "replicated_with_grad_allreduce", Megatron-core all-reduces its qk-layernorm gradients over the
+    tensor group). ``tensor_parallel_split_dim`` declares it: torch's ``SequenceParallel(sequence_dim=1)`` is exactly
+    this style (replicated weight, input and output split along a dim, the weight gradient summed by DTensor), and
+    dim 1 is the heads here, not the sequence. Under sequence parallelism the inherited ``sequence_parallel``
+    declaration gets the same style."""
+
+    tensor_parallel_split_dim = 1  # heads: (B, nh, T, hs)
+
+
 class Attention(nn.Module):
     # Under sequence parallelism, gather the sequence once here, not in each of q/k/v.
     tensor_parallel_input = "replicate"
@@ -142,6 +160,8 @@ class Attention(nn.Module):
         dropout: float = 0.0,
         scale: Optional[float] = None,
         kv_input_size: Optional[int] = None,
+        qk_norm: bool = False,
+        qk_norm_eps: float = 1e-6,
     ):
         super().__init__()
         num_key_value_heads = num_key_value_heads or num_heads
@@ -161,6 +181,9 @@ class Attention(nn.Module):
         self.k_proj = Linear(kv_in, num_key_value_heads * head_dim, bias=qkv_bias, parallel="col")
         self.v_proj = Linear(kv_in, num_key_value_heads * head_dim, bias=qkv_bias, parallel="col")
         self.out_proj = Linear(num_heads * head_dim, hidden_size, bias=out_bias, parallel="row")
+        # Qwen3: each query and key head RMS-normalised over its features before the rotation
+        self.q_norm = HeadRMSNorm(head_dim, eps=qk_norm_eps) if qk_norm else None
+        self.k_norm = HeadRMSNorm(head_dim, eps=qk_norm_eps) if qk_norm else None
         self.attention_dropout = attention_dropout
         self.resid_dropout = nn.Dropout(dropout)
 
@@ -185,6 +208,8 @@ class Attention(nn.Module):
         given."""
         B, T, _ = x.shape
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, nh_local, T, hs)
+        if self.q_norm is not None:
+            q = self.q_norm(q)  # over hs, per head, before the rotation (Qwen3)
         if kv is not None and kv_cache is not None and kv_cache.get(self) is not None:
             k, v = kv_cache.get(self)  # cross-attention keys/values do not change while decoding
         else:
@@ -192,6 +217,8 @@ class Attention(nn.Module):
             S = src.shape[1]
             k = self.k_proj(src).view(B, S, -1, self.head_dim).transpose(1, 2)  # (B, nkv_local, S, hs)
             v = self.v_proj(src).view(B, S, -1, self.head_dim).transpose(1, 2)
+            if self.k_norm is not None:
+                k = self.k_norm(k)  # (B, nkv_local, S, hs), before the rotation and the cache
             if rotary is not None and kv is None:
                 if position_ids is None:
                     past = kv_cache.get(self) if kv_cache is not None else None

@@ -4,6 +4,19 @@
 * **Router**: a linear map to ``num_experts`` logits per token, softmax in fp32, the ``top_k`` experts kept;
   ``norm_topk_prob`` renormalises the kept probabilities to sum to one (Mixtral), otherwise they stay as they are
   (Qwen2-MoE's default).
+* **DeepSeekMoE routing** (DeepSeek-V3, Liu et al. 2024, sec. 2.1.2; transformers' ``DeepseekV3TopkRouter``):
+  ``score_func="sigmoid"`` scores each expert independently (``sigmoid(logit)`` in fp32), and ``norm_topk_prob``
+  divides the kept scores by their sum (``+ 1e-20``, as transformers). ``n_group`` > 1 limits each token to
+  ``topk_group`` groups of experts (node-limited routing): the experts split into ``n_group`` equal groups, a
+  group's score is the sum of its two best experts' scores, the ``topk_group`` best groups are kept and the
+  ``top_k`` experts chosen among theirs. ``routed_scaling_factor`` multiplies the kept weights.
+* **Auxiliary-loss-free balancing** (DeepSeek-V3 sec. 2.1.2; Wang et al. 2024): with ``score_bias`` the layer
+  holds a persistent fp32 buffer ``score_bias`` (E,), zeros at first, added to the scores to *choose* the
+  experts (and the groups) and never to the weights the outputs are mixed with; it has no gradient.
+  :meth:`MoE.update_score_bias` moves it by ``bias_update_rate x sign(mean load - load_i)``; the training loop
+  calls it after each optimizer step with the step's token counts summed over the micro-batches and the
+  data-parallel ranks (:mod:`dufu.engine.moe_balance`). Being a buffer, it is saved with the model and restored
+  on a resume.
 * **Experts** (:class:`GroupedExperts`): one grouped weight tensor per projection, in transformers' layout:
   ``gate_up_proj`` (E, 2F, H) and ``down_proj`` (E, H, F), a SwiGLU expert each. They take the routed tokens
   sorted by expert with the count of each. This interface is what expert parallelism needs:
@@ -43,10 +56,16 @@
   language-model loss, and they need no path to the last pipeline stage. The losses:
   the load-balancing loss ``E x sum_i f_i P_i`` (f_i the mean number of a token's k choices that are expert i,
   P_i its mean router probability; Switch eq. 4, extended to top-k as transformers' Mixtral does), times
-  ``aux_loss_coeff``; and the router z-loss ``mean(logsumexp(logits)^2)`` (Zoph et al. 2022, ST-MoE), times
-  ``z_loss_coeff``. ``tokens_per_expert`` (E,) counts the assignments kept by the last forward (the load-balance
-  metric); :meth:`MoE.pop_stats` returns the auxiliary loss and counts of each training forward (with
-  gradients) since the last call, not counting activation checkpointing's recomputation.
+  ``aux_loss_coeff``; the router z-loss ``mean(logsumexp(logits)^2)`` (Zoph et al. 2022, ST-MoE), times
+  ``z_loss_coeff`` (softmax routing only); and DeepSeek-V3's sequence-wise balance loss (eq. 17-20), times
+  ``seq_aux_loss_coeff``: for each row of the input (B, T, H) (one sequence), ``f_i = E / (k T) x`` the tokens
+  that chose expert i and ``P_i`` the row's mean of the normalised scores ``s_i / sum_j s_j``; the loss is
+  ``sum_i f_i P_i`` averaged over the rows. A row must be a whole sequence: under context parallelism it is a
+  part of one (:attr:`MoE.context_parallel_unsupported_reason` says so for the model to refuse the layout).
+  With sigmoid scores, the load-balancing loss's ``P_i`` is also of the normalised scores.
+  ``tokens_per_expert`` (E,) counts the assignments kept by the last forward (the load-balance metric);
+  :meth:`MoE.pop_stats` returns the auxiliary loss and counts of each training forward (with gradients) since
+  the last call, not counting activation checkpointing's recomputation.
 * **Tensor parallelism**: the layer is replicated on the tensor-parallel ranks and sees the whole sequence
   (``tensor_parallel_replicated``: under sequence parallelism its input is gathered and its output cut back to
   this rank's part of the sequence), so routing, capacity and auxiliary losses are those of one device.
@@ -257,6 +276,9 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+SCORE_FUNCS = ("softmax", "sigmoid")
+
+
 class MoE(nn.Module):
     # Replicated under tensor parallelism, seeing the whole sequence (see the module docstring).
     tensor_parallel_replicated = True
@@ -264,7 +286,9 @@ class MoE(nn.Module):
     def __init__(self, hidden_size: int, ffn_hidden_size: int, num_experts: int, top_k: int = 2,
                  norm_topk_prob: bool = True, capacity_factor: Optional[float] = None, aux_loss_coeff: float = 0.0,
                  z_loss_coeff: float = 0.0, shared_ffn_hidden_size: Optional[int] = None,
-                 shared_expert_gate: bool = False, init_std: float = 0.02):
+                 shared_expert_gate: bool = False, init_std: float = 0.02, score_func: str = "softmax",
+                 n_group: int = 1, topk_group: int = 1, routed_scaling_factor: float = 1.0, score_bias: bool = False,
+                 bias_update_rate: float = 0.0, seq_aux_loss_coeff: float = 0.0):
         super().__init__()
         if not 1 <= top_k <= num_experts:
             raise ValueError(f"MoE: top_k {top_k} must be between 1 and num_experts {num_experts}")
@@ -272,9 +296,14 @@ class MoE(nn.Module):
             raise ValueError(f"MoE: capacity_factor {capacity_factor} must be positive (or None: dropless)")
         if shared_expert_gate and not shared_ffn_hidden_size:
             raise ValueError("MoE: shared_expert_gate needs a shared expert (shared_ffn_hidden_size)")
+        _check_routing(num_experts, top_k, score_func, n_group, topk_group, routed_scaling_factor, score_bias,
+                       bias_update_rate, seq_aux_loss_coeff, z_loss_coeff)
         self.hidden_size, self.ffn_hidden_size = hidden_size, ffn_hidden_size
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.capacity_factor, self.aux_loss_coeff, self.z_loss_coeff = capacity_factor, aux_loss_coeff, z_loss_coeff
+        self.score_func, self.n_group, self.topk_group = score_func, n_group, topk_group
+        self.routed_scaling_factor, self.bias_update_rate = routed_scaling_factor, bias_update_rate
+        self.seq_aux_loss_coeff = seq_aux_loss_coeff
         self.router = nn.Linear(hidden_size, num_experts, bias=False)
         self.experts = GroupedExperts(num_experts, hidden_size, ffn_hidden_size, init_std=init_std)
         self.shared = self.shared_gate = None
@@ -283,6 +312,9 @@ class MoE(nn.Module):
             self.shared = GatedMLP(hidden_size, shared_ffn_hidden_size, activation="silu", tensor_parallel=False)
             if shared_expert_gate:
                 self.shared_gate = nn.Linear(hidden_size, 1, bias=False)
+        # The expert-choice bias of auxiliary-loss-free balancing: a buffer (no gradient, no optimizer, no weight
+        # decay), persistent (saved and resumed with the model), fp32 (updates of gamma ~1e-3 must not round away).
+        self.register_buffer("score_bias", torch.zeros(num_experts, dtype=torch.float32) if score_bias else None)
         self.aux_loss_grad_scale = 1.0
         self.aux_loss = torch.zeros(())
         self.tokens_per_expert = torch.zeros(num_experts, dtype=torch.long)
@@ -290,14 +322,67 @@ class MoE(nn.Module):
         if not self.router.weight.is_meta:
             nn.init.normal_(self.router.weight, std=init_std)
 
+    @property
+    def context_parallel_unsupported_reason(self) -> Optional[str]:
+        """Why this layer cannot take a context-parallel chunk of each sequence (None: it can, as far as it
+        knows): the sequence-wise balance loss needs each row of its input to be a whole sequence."""
+        if self.seq_aux_loss_coeff:
+            return ("the sequence-wise balance loss (seq_aux_loss_coeff) counts each sequence's tokens per expert, "
+                    "and under context parallelism a rank holds only chunks of each sequence; set "
+                    "seq_aux_loss_coeff=0 (auxiliary-loss-free balancing, score_bias, needs no sequence)")
+        return None
+
+    def init_own(self) -> None:
+        """The initial values of the layer's own tensor (its children have their own rules): a zero bias."""
+        if self.score_bias is not None:
+            init.zeros_(self.score_bias)
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(router logits (N, E), top-k weights (N, k), top-k expert ids (N, k)) of tokens ``x`` (N, H)."""
-        logits = self.router(x)  # (N, E)
-        probs = logits.float().softmax(-1)
-        weights, experts = probs.topk(self.top_k, dim=-1)  # (N, k)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(-1, keepdim=True)
+        logits, _, weights, experts = self._route(x)
         return logits, weights, experts
+
+    def _route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`route`, with the scores (N, E) in fp32 (softmax probabilities or sigmoid affinities)."""
+        logits = self.router(x)  # (N, E)
+        scores = logits.float().softmax(-1) if self.score_func == "softmax" else logits.float().sigmoid()
+        if self.score_bias is None and self.n_group == 1:
+            weights, experts = scores.topk(self.top_k, dim=-1)  # (N, k)
+        else:
+            # The bias and the group limit decide which experts; the weights are the unbiased scores.
+            choice = scores if self.score_bias is None else scores + self.score_bias.float()  # (N, E)
+            if self.n_group > 1:
+                choice = self._limit_groups(choice)
+            experts = choice.topk(self.top_k, dim=-1).indices  # (N, k)
+            weights = scores.gather(1, experts)
+        if self.norm_topk_prob:
+            # sigmoid scores of a token can all be ~0: transformers' DeepseekV3TopkRouter adds 1e-20
+            weights = weights / (weights.sum(-1, keepdim=True) + (1e-20 if self.score_func == "sigmoid" else 0.0))
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        return logits, scores, weights, experts
+
+    def _limit_groups(self, choice: torch.Tensor) -> torch.Tensor:
+        """``choice`` (N, E) with the experts outside each token's ``topk_group`` best groups at -inf; a group's
+        score is the sum of its two best experts' (DeepSeek-V3's node-limited routing, as transformers)."""
+        n = choice.shape[0]
+        grouped = choice.view(n, self.n_group, self.num_experts // self.n_group)  # (N, G, E/G)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # (N, G)
+        best = group_scores.topk(self.topk_group, dim=-1).indices  # (N, topk_group)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best, True)  # (N, G)
+        return grouped.masked_fill(~keep[:, :, None], float("-inf")).view(n, self.num_experts)
+
+    @torch.no_grad()
+    def update_score_bias(self, tokens_per_expert: torch.Tensor, scale=1.0) -> None:
+        """Auxiliary-loss-free balancing's update (DeepSeek-V3 sec. 2.1.2): ``score_bias += bias_update_rate x
+        sign(mean load - load_i) x scale``, ``tokens_per_expert`` (E,) the tokens each expert got in the whole
+        step over all data-parallel ranks; ``scale`` (a number or a 0-dim tensor on the device) is 0 for a step
+        whose update was skipped. The same counts on every replica give every replica the same bias."""
+        if self.score_bias is None:
+            raise RuntimeError("MoE.update_score_bias: this layer has no score_bias (build it with score_bias=True)")
+        load = tokens_per_expert.to(self.score_bias.device, torch.float32)
+        step = torch.sign(load.mean() - load) * self.bias_update_rate  # (E,)
+        self.score_bias.add_(step * scale)
 
     def _keep(self, experts: torch.Tensor) -> Optional[torch.Tensor]:
         """(N, k) mask of the assignments within every expert's capacity; None when dropless (all kept)."""
@@ -312,7 +397,7 @@ class MoE(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         shape = hidden.shape
         x = hidden.reshape(-1, shape[-1])  # (N, H)
-        logits, weights, experts = self.route(x)
+        logits, scores, weights, experts = self._route(x)
         keep = self._keep(experts)
         assignment = torch.arange(experts.numel(), device=x.device)  # (N k,): token-major, then the k choices
         if keep is not None:
@@ -330,7 +415,7 @@ class MoE(nn.Module):
             if self.shared_gate is not None:
                 shared = torch.sigmoid(self.shared_gate(x)) * shared
             out = out + shared
-        aux = self._aux_loss(logits, experts)
+        aux = self._aux_loss(logits, scores, experts, rows=math.prod(shape[:-2]) if len(shape) > 2 else 1)
         self.aux_loss, self.tokens_per_expert = aux.detach(), counts.detach()
         if torch.is_grad_enabled() and not _in_backward():  # a training forward, not a recomputation
             self._stats.append((aux.detach(), counts.detach()))
@@ -353,13 +438,62 @@ class MoE(nn.Module):
         s, self._stats = self._stats, []
         return s
 
-    def _aux_loss(self, logits: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+    def _aux_loss(self, logits: torch.Tensor, scores: torch.Tensor, experts: torch.Tensor,
+                  rows: int) -> torch.Tensor:
+        """The auxiliary losses of the module docstring: ``scores`` (N, E) the router's fp32 scores, ``experts``
+        (N, k) the chosen experts, ``rows`` the input's sequences (N = rows x T)."""
         loss = logits.new_zeros((), dtype=torch.float32)
+        if not (self.aux_loss_coeff or self.z_loss_coeff or self.seq_aux_loss_coeff):
+            return loss
+        # the scores as a distribution over experts: softmax's already are, sigmoid's are divided by their sum
+        probs = scores if self.score_func == "softmax" else scores / scores.sum(-1, keepdim=True)  # (N, E)
         if self.aux_loss_coeff:
-            probs = logits.float().softmax(-1)  # (N, E)
             # (E,): assignments per token to each expert, summed over the k choices (transformers' Mixtral form)
             assigned = F.one_hot(experts, self.num_experts).float().sum(1).mean(0)
             loss = loss + self.aux_loss_coeff * self.num_experts * (assigned * probs.mean(0)).sum()
         if self.z_loss_coeff:
             loss = loss + self.z_loss_coeff * torch.logsumexp(logits.float(), dim=-1).square().mean()
+        if self.seq_aux_loss_coeff:
+            t = experts.shape[0] // rows
+            chosen = experts.view(rows, t * self.top_k)  # (B, T k)
+            # counted by scatter_add_: no host read (F.one_hot checks its values on the host)
+            counts = probs.new_zeros(rows, self.num_experts).scatter_add_(
+                1, chosen, probs.new_ones(chosen.shape))  # (B, E)
+            f = counts * (self.num_experts / (self.top_k * t))  # (B, E), no gradient
+            p = probs.view(rows, t, self.num_experts).mean(1)  # (B, E)
+            loss = loss + self.seq_aux_loss_coeff * (f * p).sum(-1).mean()
         return loss
+
+
+def _check_routing(num_experts: int, top_k: int, score_func: str, n_group: int, topk_group: int,
+                   routed_scaling_factor: float, score_bias: bool, bias_update_rate: float,
+                   seq_aux_loss_coeff: float, z_loss_coeff: float) -> None:
+    """Refuse router settings that do not combine, saying what to change."""
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"MoE: score_func {score_func!r} is not one of {', '.join(map(repr, SCORE_FUNCS))}")
+    if not isinstance(n_group, int) or n_group < 1 or num_experts % n_group:
+        raise ValueError(f"MoE: n_group {n_group!r} must be a whole number >= 1 that divides num_experts "
+                         f"{num_experts} (the experts split into n_group equal groups)")
+    per_group = num_experts // n_group
+    if n_group > 1 and per_group < 2:
+        raise ValueError(f"MoE: n_group {n_group} leaves {per_group} expert per group, but a group's score is the "
+                         "sum of its two best experts' scores; use n_group <= num_experts / 2, or n_group=1")
+    if not isinstance(topk_group, int) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"MoE: topk_group {topk_group!r} must be between 1 and n_group {n_group} (the groups "
+                         "each token may use)")
+    if top_k > topk_group * per_group:
+        raise ValueError(f"MoE: top_k {top_k} experts cannot be chosen from topk_group {topk_group} groups of "
+                         f"{per_group} experts ({topk_group * per_group} experts); raise topk_group or lower top_k")
+    if not routed_scaling_factor > 0:
+        raise ValueError(f"MoE: routed_scaling_factor {routed_scaling_factor} must be positive")
+    if bias_update_rate < 0:
+        raise ValueError(f"MoE: bias_update_rate {bias_update_rate} must be >= 0 (0: the bias does not move)")
+    if bias_update_rate > 0 and not score_bias:
+        raise ValueError(f"MoE: bias_update_rate {bias_update_rate} updates the expert-choice bias, but the layer "
+                         "has none; set score_bias=True")
+    if seq_aux_loss_coeff < 0:
+        raise ValueError(f"MoE: seq_aux_loss_coeff {seq_aux_loss_coeff} must be >= 0")
+    if z_loss_coeff and score_func != "softmax":
+        raise ValueError(f"MoE: the router z-loss (z_loss_coeff {z_loss_coeff}) penalises logsumexp of the logits, "
+                         f"the normaliser of softmax scores; {score_func} scores have none. Set z_loss_coeff=0 with "
+                         f"score_func={score_func!r}")

@@ -12,6 +12,8 @@ layer declares                         torch style applied (Megatron-LM terms)
 ``PositionEmbedding``                  replicated; output sliced along the sequence under SP
 ``nn.Embedding`` with parallel="col"   ``ColwiseParallel``: per-head tables (relative position bias)
 norm with ``sequence_parallel=True``   ``SequenceParallel`` (under SP only)
+module with                            ``SequenceParallel(sequence_dim=d)``: a replicated
+``tensor_parallel_split_dim = d``      weight on an input split along d (per-head norms)
 module with ``tensor_parallel_input``  ``PrepareModuleInput``: gather the sequence once
                                        before its column-parallel projections (under SP)
 the output head (a col ``Linear``      ``ColwiseParallel`` keeping logits vocab-sharded
@@ -104,6 +106,11 @@ def tensor_parallel_plan(model: nn.Module, sequence_parallel: bool = False, head
             plan[name] = PrepareModuleOutput(
                 output_layouts=Replicate(), desired_output_layouts=Shard(1), use_local_output=True
             )
+        elif getattr(module, "tensor_parallel_split_dim", None) is not None:
+            # a replicated weight applied to an input split along that dim over the group (a per-head norm,
+            # dufu.layers.attention.HeadRMSNorm: dim 1 = heads), with or without sequence parallelism: torch's
+            # SequenceParallel style is exactly that, and DTensor sums the weight's gradient over the group
+            plan[name] = SequenceParallel(sequence_dim=module.tensor_parallel_split_dim, use_local_output=True)
         elif sequence_parallel and getattr(module, "sequence_parallel", False):
             plan[name] = SequenceParallel(use_local_output=True)  # local output: see the convention above
         elif sequence_parallel and getattr(module, "tensor_parallel_input", None) == "replicate":

@@ -10,6 +10,11 @@ moe_debug in fp32 with dropless routing, a fixed global batch of 8 in micro-batc
 * dp2 with ep2 stopped after step 3, then resumed at dp4 with ep4 and in one process (the checkpoint's
   experts are Shard(0) DTensors: DCP reshards them).
 
+Auxiliary-loss-free balancing (DeepSeekMoE routing: sigmoid scores, group-limited, an expert-choice bias moved
+after each step by the step's token counts summed over the data ranks, and the sequence-wise balance loss): dp2
+with ep2, stopped after step 3 and resumed, equals one uninterrupted process (losses, gradient norms, weights)
+and both ranks end with the one process's biases, bit for bit.
+
 Capacity-factor dropping decides per micro-batch before the tokens leave their rank, so the same tokens are
 dropped as on one device, and equality holds with dropping too: the layer-level worker proves it, with the
 gradients, the global gradient norm and an update, for ep 2 and 4 under replication, ZeRO-2 and ZeRO-3.
@@ -17,14 +22,19 @@ gradients, the global gradient norm and an update, for ep 2 and 4 under replicat
 
 from __future__ import annotations
 
+import inspect
 import json
 import shutil
 
 import pytest
+import torch
 
 import launch
 from dufu.cli import main as cli_main
-from parity import PARITY_ARGS, Spec, assert_matches_reference
+from dufu.configs.common.models.moe import model as moe_node
+from dufu.engine.hooks import Hook
+from dufu.models.moe import MoEModel
+from parity import PARITY_ARGS, Spec, assert_matches_reference, final_model_state
 
 pytestmark = pytest.mark.multiprocess
 
@@ -51,8 +61,43 @@ RUNS = {
     "dp2-ep2-stopped-at-3": Spec(2, (DP2, EP2, "train.stop_at_iter=3", "train.checkpointer.period=3"),
                                  config="moe_debug"),
 }
+
+# DeepSeekMoE routing with auxiliary-loss-free balancing (the rate is DeepSeek-V3's x10, so that 5 steps move
+# choices) and the sequence-wise loss in place of the load-balancing loss.
+BALANCE = ("model.score_func=sigmoid", "model.n_group=4", "model.topk_group=2", "model.routed_scaling_factor=2.5",
+           "model.score_bias=True", "model.bias_update_rate=0.01", "model.aux_loss_coeff=0.0",
+           "model.seq_aux_loss_coeff=0.001")
+BALANCE_SUPPORTED = "bias_update_rate" in inspect.signature(MoEModel).parameters and "bias_update_rate" in moe_node
+# each rank's biases at the end, in score_bias_rank<r>.json (this module's hook, importable by the workers, which
+# have tests/ on their path)
+WRITE_BIASES = "train.hooks=" + json.dumps([{"_target_": "parallel.test_expert_parallel.WriteScoreBiases"}])
+if BALANCE_SUPPORTED:  # one run, stopped after step 3 and resumed: a resume is part of what must stay exact
+    RUNS.update({
+        "dp2-ep2-balance-stopped-at-3": Spec(2, (DP2, EP2, *BALANCE, WRITE_BIASES, "train.stop_at_iter=3",
+                                                 "train.checkpointer.period=3"), config="moe_debug"),
+        "dp2-ep2-balance-resumed": Spec(2, (DP2, EP2, *BALANCE, WRITE_BIASES, "train.checkpointer.period=3"),
+                                        config="moe_debug", resume_of="dp2-ep2-balance-stopped-at-3"),
+    })
 USES = {"test_expert_parallelism_in_bf16_matches_single_process_in_bf16": "dp2-ep2-bf16",
-        "test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_in_one_process": "dp2-ep2-stopped-at-3"}
+        "test_a_checkpoint_saved_at_ep2_resumes_at_ep4_and_in_one_process": "dp2-ep2-stopped-at-3",
+        "test_loss_free_balancing_keeps_one_bias_on_every_rank_equal_to_one_process": "dp2-ep2-balance-resumed"}
+needs_balance = pytest.mark.skipif(not BALANCE_SUPPORTED, reason=(
+    "MoEModel (and its config node, dufu/configs/common/models/moe.py) does not take the DeepSeekMoE router "
+    "options (score_func, score_bias, bias_update_rate, ...)"))
+
+
+class WriteScoreBiases(Hook):
+    """At the end of a run, each rank writes its MoE layers' expert-choice biases to
+    ``score_bias_rank<r>.json`` in the output directory."""
+
+    def on_end(self, trainer, summary) -> None:
+        biases = {f"{i}.{name}": m.score_bias.tolist() for i, part in enumerate(trainer.model_parts)
+                  for name, m in part.named_modules() if getattr(m, "score_bias", None) is not None}
+        (trainer.output_dir / f"score_bias_rank{trainer.rank}.json").write_text(json.dumps(biases))
+
+
+def _biases(state: dict) -> dict:
+    return {k: v for k, v in state.items() if k.endswith("score_bias")}
 
 
 @pytest.fixture(scope="module")
@@ -110,3 +155,27 @@ def test_one_moe_layer_under_expert_parallelism_equals_one_device(tmp_path):
         assert err["experts_not_split"] == 0.0 and err["tokens"] == 0.0, (case, err)
         assert err["output"] < 1e-6 and err["grad"] < 1e-6 and err["param"] < 1e-6, (case, err)
         assert err["grad_norm"] < 1e-6, (case, err)
+
+
+@needs_balance
+def test_loss_free_balancing_keeps_one_bias_on_every_rank_equal_to_one_process(reference_run, moe_runs):
+    """dp2 x ep2, stopped after step 3 and resumed, against one uninterrupted process: losses, gradient norms,
+    weights, and the biases of both ranks bit for bit."""
+    reference = reference_run("moe_debug", *BALANCE)
+    got = moe_runs.result("dp2-ep2-balance-resumed")
+    assert_matches_reference(got, reference, "moe_debug dp2 ep2, loss-free balancing, stopped at 3 and resumed")
+    ref_biases = _biases(reference.state)
+    assert sorted(ref_biases) == ["blocks.0.mlp.score_bias", "blocks.1.mlp.score_bias"]
+    stopped = final_model_state(moe_runs.output_dir("dp2-ep2-balance-stopped-at-3"))
+    for name, bias in ref_biases.items():
+        # 5 steps of +-0.01 (or 0) per expert, from zeros: it moved, by whole steps of the rate, after the resume too
+        assert bias.abs().max() > 0 and torch.allclose(bias / 0.01, (bias / 0.01).round(), atol=1e-4), (name, bias)
+        assert not torch.equal(stopped[name], bias), name
+        assert torch.equal(got.state[name], bias), (name, got.state[name], bias)  # the checkpoint's
+    ranks = [json.loads((got.output_dir / f"score_bias_rank{r}.json").read_text()) for r in range(2)]
+    assert ranks[0] == ranks[1] and len(ranks[0]) == 2  # every rank's own copy, after the last step
+    for key, values in ranks[0].items():  # "<part>.<module>": one part, no pipeline
+        assert torch.equal(torch.tensor(values), ref_biases[key.split(".", 1)[1] + ".score_bias"]), key
+    # the records' per-step max load (the busiest expert over the mean, over all ranks) is the one process's
+    for step, ref in reference.train.items():
+        assert got.train[step]["moe_max_load_step"] == pytest.approx(ref["moe_max_load_step"], rel=1e-12)

@@ -1,9 +1,12 @@
 """The model zoo's decoders train to the same numbers in parallel layouts as on one process.
 
 llama_debug in fp32 with a fixed global batch of 8 for 5 steps (as tests/parallel/test_loss_parity.py does
-for gpt_debug) under tensor, pipeline and 3-D parallelism; and GPT-2 weights imported from a transformers
-directory through ``model.pretrained`` under tp2 and dp2 x tp2 ZeRO-3, where every rank reads its own block of
-each tensor: the first loss must be the transformers model's loss on the first batch.
+for gpt_debug) under tensor, pipeline and 3-D parallelism; qwen3_debug (per-head query/key norms, whose weight
+is replicated over tensor ranks while each rank holds half the heads) and qwen3_moe_debug (the same attention
+with experts) under data, tensor + sequence and pipeline parallelism, the MoE one also under ZeRO-3 and expert
+parallelism; and GPT-2 weights imported from a transformers directory through ``model.pretrained`` under tp2
+and dp2 x tp2 ZeRO-3, where every rank reads its own block of each tensor: the first loss must be the
+transformers model's loss on the first batch.
 """
 
 from __future__ import annotations
@@ -27,6 +30,25 @@ LLAMA_LAYOUTS = {
 }
 
 
+# recipe: {layout: (processes, overrides)}; every run of 2 processes, in the job of llama's
+ZERO3 = ("train.zero_optimization.enabled=True", "train.zero_optimization.stage=3")
+QWEN3_LAYOUTS = {
+    "qwen3_debug": {
+        "dp2": (2, [DP2]),
+        "tp2": (2, [TP2]),  # the per-head norms' gradients summed over the heads' ranks without SP too
+        "tp2-sp": (2, [TP2, "train.dist.sequence_parallel=True"]),
+        "pp2": (2, [PP2]),
+    },
+    "qwen3_moe_debug": {
+        "dp2-zero3": (2, [DP2, *ZERO3]),
+        "tp2-sp": (2, [TP2, "train.dist.sequence_parallel=True"]),
+        "pp2": (2, [PP2]),
+        "dp2-ep2": (2, [DP2, "train.dist.expert_parallel_size=2"]),
+    },
+}
+QWEN3_CASES = [(recipe, layout) for recipe, layouts in QWEN3_LAYOUTS.items() for layout in layouts]
+
+
 def assert_same_run(got, ref_out, what: str) -> None:
     assert_matches_reference(got, collect(ref_out), what)
 
@@ -42,6 +64,8 @@ def layout_runs(shared_runs, request):
     as "llama-<layout>", and (when transformers is installed) GPT-2's from transformers weights as "gpt2-<layout>"."""
     specs = {f"llama-{layout}": Spec(nproc, tuple(overrides), config="llama_debug")
              for layout, (nproc, overrides) in LLAMA_LAYOUTS.items()}
+    specs.update({f"{recipe}-{layout}": Spec(nproc, tuple(overrides), config=recipe)
+                  for recipe, layouts in QWEN3_LAYOUTS.items() for layout, (nproc, overrides) in layouts.items()})
     gpt2 = "test_gpt2_weights_from_transformers_train_in_parallel_layouts"
     try:
         if any(getattr(item, "originalname", "") == gpt2 and item.module is request.module
@@ -53,6 +77,7 @@ def layout_runs(shared_runs, request):
         pass
     return shared_runs(specs, uses={
         "test_llama_layout_matches_single_process": lambda p: f"llama-{p['layout']}",
+        "test_qwen3_layout_matches_single_process": lambda p: f"{p['recipe']}-{p['layout']}",
         gpt2: lambda p: f"gpt2-{p['layout']}",
         "test_each_rank_reads_only_the_pretrained_tensors_it_holds": ()})
 
@@ -61,6 +86,12 @@ def layout_runs(shared_runs, request):
 def test_llama_layout_matches_single_process(layout, llama_reference, layout_runs):
     got = layout_runs.result(f"llama-{layout}")
     assert_same_run(got, llama_reference, f"llama_debug {layout}")
+
+
+@pytest.mark.parametrize("recipe,layout", QWEN3_CASES)
+def test_qwen3_layout_matches_single_process(recipe, layout, reference_run, layout_runs):
+    got = layout_runs.result(f"{recipe}-{layout}")
+    assert_same_run(got, reference_run(recipe).output_dir, f"{recipe} {layout}")
 
 
 @pytest.fixture(scope="module")

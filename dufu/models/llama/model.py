@@ -1,8 +1,10 @@
-"""LLaMA-style decoder (Touvron et al. 2023; Llama 3, Qwen2), single-device code built from dufu.layers.
+"""LLaMA-style decoder (Touvron et al. 2023; Llama 3, Qwen2, Qwen3), single-device code built from dufu.layers.
 
 Pre-norm blocks ``x + attn(rmsnorm(x))`` then ``x + swiglu(rmsnorm(x))``, rotary position embeddings
 (Su et al. 2021) in every attention, grouped-query attention (Ainslie et al. 2023), no biases except the
-optional Q/K/V biases Qwen2 uses, and an output head that is separate or tied to the token embedding.
+optional Q/K/V biases Qwen2 uses, optionally each query and key head RMS-normalised before the rotation
+(Qwen3's ``qk_norm``; Yang et al. 2025, the Qwen3 technical report), and an output head that is separate or
+tied to the token embedding.
 
 Blocks live in a ``ModuleDict`` keyed by ``str(i)`` so parameter names (``blocks.3.attn.q_proj.weight``)
 survive pipeline splitting. Each block's attention computes the rotary cos/sin tables from the positions: a
@@ -45,6 +47,7 @@ class LlamaBlock(nn.Module):
         mlp_bias: bool = False,
         attention_dropout: float = 0.0,
         hidden_dropout: float = 0.0,
+        qk_norm: bool = False,
         mlp: Optional[nn.Module] = None,
     ):
         super().__init__()
@@ -53,7 +56,7 @@ class LlamaBlock(nn.Module):
         self.attn = Attention(
             hidden_size, num_attention_heads, num_key_value_heads=num_key_value_heads, head_dim=head_dim,
             qkv_bias=qkv_bias, out_bias=out_bias, causal=True, attention_dropout=attention_dropout,
-            dropout=hidden_dropout,
+            dropout=hidden_dropout, qk_norm=qk_norm, qk_norm_eps=rms_norm_eps,
         )
         self.mlp_norm = RMSNorm(hidden_size, eps=rms_norm_eps)
         # ``mlp``: another feed-forward in its place (dufu.models.moe: a mixture of experts)
@@ -109,6 +112,7 @@ class LlamaDecoder(InitByModule, nn.Module):
         tie_word_embeddings: bool = False,
         initializer_range: float = 0.02,
         fused_loss: bool = False,
+        qk_norm: bool = False,
         pretrained: Optional[str] = None,
     ):
         super().__init__()
@@ -134,6 +138,7 @@ class LlamaDecoder(InitByModule, nn.Module):
         self.initializer_range = initializer_range
         self.tie_word_embeddings = tie_word_embeddings
         self.fused_loss = fused_loss
+        self.qk_norm = qk_norm
         # Names that hold one shared tensor: a checkpoint that has only one of them serves both.
         self.tied_parameter_names = {"lm_head.weight": "wte.weight"} if tie_word_embeddings else {}
         # False: forward returns a plain tensor (what a pipeline stage must return).
@@ -147,7 +152,7 @@ class LlamaDecoder(InitByModule, nn.Module):
                 num_key_value_heads=num_key_value_heads, head_dim=head_dim, ffn_hidden_size=ffn_hidden_size,
                 rms_norm_eps=rms_norm_eps, max_position_embeddings=max_position_embeddings, rope_theta=rope_theta,
                 rope_scaling=rope_scaling, qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias,
-                attention_dropout=attention_dropout, hidden_dropout=hidden_dropout,
+                attention_dropout=attention_dropout, hidden_dropout=hidden_dropout, qk_norm=qk_norm,
             )
             for i in range(num_layers)
         })
@@ -220,8 +225,11 @@ LlamaDecoder.pipeline_loss = staticmethod(causal_lm_loss)
 
 class LlamaModel(LlamaDecoder):
     """Causal decoder of the LLaMA family. Llama 2/3: no biases, untied head. Qwen2: ``qkv_bias=True``
-    (the small sizes also tie the head). ``rope_scaling``: e.g. ``{"rope_type": "llama3", "factor": 8.0,
-    "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}``.
+    (the small sizes also tie the head). Qwen3: ``qk_norm=True`` (an RMSNorm of ``head_dim`` on every query
+    and key head before the rotation, :class:`dufu.layers.attention.HeadRMSNorm`), no biases, an explicit
+    ``head_dim`` (Qwen3-8B: 32 heads of 128 in a hidden size of 4096). ``rope_scaling``: e.g.
+    ``{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}``.
 
     ``pretrained``: a Hugging Face directory or a dufu run/checkpoint whose weights are loaded after
     building, by whoever builds the model (:mod:`dufu.engine.weights.pretrained`); the sizes given here must match it.

@@ -1,20 +1,22 @@
-"""Map dufu's MoEModel to and from Hugging Face transformers' ``MixtralForCausalLM`` and ``Qwen2MoeForCausalLM``.
+"""Map dufu's MoEModel to and from Hugging Face transformers' ``MixtralForCausalLM``, ``Qwen2MoeForCausalLM`` and
+``Qwen3MoeForCausalLM``.
 
 transformers 5 stores each block's experts as two grouped tensors, ``model.layers.N.mlp.experts.gate_up_proj``
 (E, 2F, H: gate rows, then up rows) and ``...experts.down_proj`` (E, H, F), and the router as
 ``model.layers.N.mlp.gate.weight`` (E, H): the layout of :class:`dufu.layers.GroupedExperts`, so those are
 renamed only. Qwen2-MoE adds ``mlp.shared_expert.{gate,up,down}_proj`` and ``mlp.shared_expert_gate`` (1, H),
-and its dense blocks keep ``mlp.{gate,up,down}_proj`` as Qwen2's do.
+and its dense blocks keep ``mlp.{gate,up,down}_proj`` as Qwen2's do. Qwen3-MoE has Qwen2-MoE's layout without
+the shared expert, and Qwen3's per-head ``self_attn.q_norm`` / ``k_norm``.
 
 Directories written by earlier transformers versions (most published checkpoints) hold one tensor per expert:
 Mixtral's ``block_sparse_moe.experts.{e}.w1`` (gate), ``w3`` (up), ``w2`` (down) and ``block_sparse_moe.gate``,
 Qwen2-MoE's ``mlp.experts.{e}.{gate,up,down}_proj``. Loading reads those too and stacks them into the grouped
 layout (:func:`_per_expert_sources`); export always writes the grouped one.
 
-Which transformers class a model exports as follows from its experts: a gated shared expert is Qwen2-MoE, no
-shared expert is Mixtral. A model neither describes (a shared expert without a gate, Mixtral with dense blocks
-or biases, ...) is refused with the reason. Neither config has a sliding-window attention dufu could honour,
-so one is refused on load.
+Which transformers class a model exports as follows from it: query/key norms make it Qwen3-MoE, a gated shared
+expert Qwen2-MoE, no shared expert Mixtral. A model none describes (a shared expert without a gate, Mixtral with
+dense blocks or biases, Qwen3-MoE with a shared expert, ...) is refused with the reason. No config has a
+sliding-window attention dufu could honour, so one is refused on load.
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import torch
 from dufu.errors import DufuError
 from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, UnsupportedHFValue
 from dufu.models.hub import register
-from dufu.models.llama.hf import rope_from_hf
+from dufu.models.llama.hf import refuse_sliding_window, rope_from_hf
 from dufu.models.moe.model import MoEModel
 
-ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM"}
+ARCHITECTURES = {"mixtral": "MixtralForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM",
+                 "qwen3_moe": "Qwen3MoeForCausalLM"}
 
 
 # ----------------------------------------------------------------------------- config
@@ -44,7 +47,7 @@ def _mixtral_from_hf(hf: Mapping) -> dict:
     return dict(
         num_experts=hf.get("num_local_experts", hf.get("num_experts", 8)), ffn_hidden_size=ffn,
         moe_ffn_hidden_size=ffn, norm_topk_prob=True, shared_ffn_hidden_size=None, shared_expert_gate=False,
-        moe_layer_freq=1, mlp_only_layers=(), qkv_bias=False,
+        moe_layer_freq=1, mlp_only_layers=(), qkv_bias=False, out_bias=False,
     )
 
 
@@ -62,18 +65,40 @@ def _qwen2_moe_from_hf(hf: Mapping) -> dict:
         # transformers' Qwen2-MoE block always has a gated shared expert (size 0 adds nothing)
         shared_ffn_hidden_size=shared or None, shared_expert_gate=bool(shared),
         moe_layer_freq=hf.get("decoder_sparse_step", 1), mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
-        qkv_bias=bool(hf.get("qkv_bias", True)),
+        qkv_bias=bool(hf.get("qkv_bias", True)), out_bias=False,
     )
 
 
+def _qwen3_moe_from_hf(hf: Mapping) -> dict:
+    """Qwen3-MoE: Qwen3's attention (query/key norms, attention_bias on Q, K, V and O) with softmax top-k experts
+    and no shared expert. Its config writes the expert count as num_local_experts (transformers 5's
+    Qwen3MoeConfig) or num_experts (the published config.json files)."""
+    refuse_sliding_window(hf, "Qwen3-MoE")
+    experts = hf.get("num_experts", hf.get("num_local_experts", 128))
+    if not experts:
+        raise UnsupportedHFValue("Qwen3-MoE with num_experts=0 has no experts; it is a dense model (load it as "
+                                 "Qwen3 with dufu's LlamaModel).")
+    attention = bool(hf.get("attention_bias", False))
+    return dict(
+        num_experts=experts, ffn_hidden_size=hf.get("intermediate_size", 6144),
+        moe_ffn_hidden_size=hf.get("moe_intermediate_size", 768), norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        shared_ffn_hidden_size=None, shared_expert_gate=False,
+        moe_layer_freq=hf.get("decoder_sparse_step", 1), mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+        qkv_bias=attention, out_bias=attention, qk_norm=True,
+    )
+
+
+_FROM_HF = {"mixtral": _mixtral_from_hf, "qwen2_moe": _qwen2_moe_from_hf, "qwen3_moe": _qwen3_moe_from_hf}
+
+
 def _more_from_hf(hf: Mapping) -> dict:
-    """What a row cannot say: the experts' keys differ between the two model types, and so do their checks."""
+    """What a row cannot say: the experts' keys differ between the model types, and so do their checks."""
     mixtral = hf["model_type"] == "mixtral"
-    kwargs = _mixtral_from_hf(hf) if mixtral else _qwen2_moe_from_hf(hf)
+    kwargs = _FROM_HF[hf["model_type"]](hf)
     if mixtral and "rope_theta" not in hf and "rope_theta" not in (hf.get("rope_parameters") or {}):
         hf = {**hf, "rope_theta": 1000000.0}  # transformers' MixtralConfig.default_theta (Qwen2-MoE's is 1e4)
     theta, scaling = rope_from_hf(hf)
-    return dict(kwargs, rope_theta=theta, rope_scaling=scaling, out_bias=False, mlp_bias=False)
+    return dict(kwargs, rope_theta=theta, rope_scaling=scaling, mlp_bias=False)
 
 
 def _blocks(model: MoEModel) -> list:
@@ -81,16 +106,24 @@ def _blocks(model: MoEModel) -> list:
 
 
 def hf_model_type(model: MoEModel) -> str:
-    """"qwen2_moe" for a gated shared expert, "mixtral" for none; a model neither describes is a DufuError."""
+    """"qwen3_moe" for query/key norms, "qwen2_moe" for a gated shared expert, "mixtral" for neither; a model none
+    describes is a DufuError."""
     blocks = _blocks(model)
     dense = [b.mlp for b in blocks if not model.is_moe_layer(b.layer_idx)]
     dense_layers = [i for i in range(model.num_layers) if not model.is_moe_layer(i)]  # a stage's or not
     reasons = []
-    if blocks and blocks[0].attn.out_proj.bias is not None:
+    out_bias = bool(blocks) and blocks[0].attn.out_proj.bias is not None
+    if out_bias and not (model.qk_norm and _qkv_bias(model)):
         reasons.append("an output-projection bias")
     if any(m.gate_proj.bias is not None for m in dense):
         reasons.append("MLP biases")
-    if model.shared_ffn_hidden_size:
+    if model.qk_norm:
+        model_type = "qwen3_moe"
+        if model.shared_ffn_hidden_size:
+            reasons.append("a shared expert beside query/key norms (Qwen3-MoE has none)")
+        if blocks and _qkv_bias(model) and not out_bias:
+            reasons.append("Q/K/V biases without an output-projection bias (Qwen3-MoE's attention_bias has all four)")
+    elif model.shared_ffn_hidden_size:
         if not model.shared_expert_gate:
             reasons.append("a shared expert without a gate (Qwen2-MoE always gates it)")
         model_type = "qwen2_moe"
@@ -103,11 +136,16 @@ def hf_model_type(model: MoEModel) -> str:
             reasons.append("norm_topk_prob=False (Mixtral always renormalises the top-k weights)")
         if blocks and _qkv_bias(model):
             reasons.append("Q/K/V biases without a shared expert")
+    r = model.router_options
+    if r["score_func"] != "softmax" or r["n_group"] > 1 or r["routed_scaling_factor"] != 1.0 or r["score_bias"]:
+        reasons.append("DeepSeekMoE routing (score_func, n_group, routed_scaling_factor, score_bias): Mixtral, "
+                       "Qwen2-MoE and Qwen3-MoE route by softmax top-k")
     if reasons:
         raise DufuError(f"this MoEModel has no transformers counterpart: {'; '.join(reasons)}. transformers' "
                         "Mixtral has no biases, no shared expert and experts in every block; its Qwen2-MoE has "
                         "Q/K/V biases, a gated shared expert in every MoE block and dense blocks where "
-                        "(i + 1) % decoder_sparse_step != 0 or i in mlp_only_layers.")
+                        "(i + 1) % decoder_sparse_step != 0 or i in mlp_only_layers; its Qwen3-MoE has the same "
+                        "blocks without the shared expert, query/key norms and biases on all of Q, K, V, O or none.")
     return model_type
 
 
@@ -130,6 +168,13 @@ def _more_to_hf(model: MoEModel) -> dict:
     if model_type == "mixtral":
         cfg.update(num_local_experts=model.num_experts, intermediate_size=model.moe_ffn_hidden_size,
                    sliding_window=None, router_jitter_noise=0.0)
+    elif model_type == "qwen3_moe":
+        cfg.update(
+            num_experts=model.num_experts, intermediate_size=model.ffn_hidden_size,
+            moe_intermediate_size=model.moe_ffn_hidden_size, norm_topk_prob=model.norm_topk_prob,
+            decoder_sparse_step=model.moe_layer_freq, mlp_only_layers=list(model.mlp_only_layers),
+            attention_bias=bool(_blocks(model)) and _qkv_bias(model), use_sliding_window=False, sliding_window=None,
+        )
     else:
         cfg.update(
             num_experts=model.num_experts, intermediate_size=model.ffn_hidden_size,
@@ -203,6 +248,8 @@ _NAMES = [
     ("blocks.{i}.attn.k_proj", "model.layers.{i}.self_attn.k_proj"),
     ("blocks.{i}.attn.v_proj", "model.layers.{i}.self_attn.v_proj"),
     ("blocks.{i}.attn.out_proj", "model.layers.{i}.self_attn.o_proj"),
+    ("blocks.{i}.attn.q_norm", "model.layers.{i}.self_attn.q_norm"),  # Qwen3-MoE
+    ("blocks.{i}.attn.k_norm", "model.layers.{i}.self_attn.k_norm"),
     ("blocks.{i}.mlp_norm", "model.layers.{i}.post_attention_layernorm"),
     ("blocks.{i}.mlp.router", "model.layers.{i}.mlp.gate"),
     ("blocks.{i}.mlp.experts", "model.layers.{i}.mlp.experts"),  # gate_up_proj, down_proj: grouped, as-is

@@ -1,12 +1,14 @@
-"""Mixture-of-experts causal decoder (Mixtral, Jiang et al. 2024; Qwen1.5-MoE / Qwen2-MoE), single-device code
-built from dufu.layers.
+"""Mixture-of-experts causal decoder (Mixtral, Jiang et al. 2024; Qwen1.5-MoE / Qwen2-MoE; Qwen3-MoE),
+single-device code built from dufu.layers.
 
 The LLaMA decoder (:class:`dufu.models.llama.model.LlamaDecoder`: RMSNorm, rotary embeddings, grouped-query
-attention, optional Q/K/V biases) in which the feed-forward of some blocks is a :class:`dufu.layers.MoE`: a
-router picks ``top_k`` of ``num_experts`` SwiGLU experts per token, optionally beside a shared expert every
-token goes through (Qwen2-MoE, gated by ``sigmoid(shared_gate(x))``). The other blocks keep the dense SwiGLU
-MLP of ``ffn_hidden_size``. Block ``i`` is a mixture of experts when ``(i + 1) % moe_layer_freq == 0`` and
-``i`` is not in ``mlp_only_layers`` (Qwen2-MoE's rule, its ``decoder_sparse_step``; Mixtral: every block).
+attention, optional Q/K/V biases, optional per-head query/key RMSNorm as in Qwen3) in which the feed-forward of
+some blocks is a :class:`dufu.layers.MoE`: a router picks ``top_k`` of ``num_experts`` SwiGLU experts per token,
+optionally beside a shared expert every token goes through (Qwen2-MoE, gated by ``sigmoid(shared_gate(x))``).
+The other blocks keep the dense SwiGLU MLP of ``ffn_hidden_size``. Block ``i`` is a mixture of experts when
+``(i + 1) % moe_layer_freq == 0`` and ``i`` is not in ``mlp_only_layers`` (Qwen2-MoE's and Qwen3-MoE's rule,
+their ``decoder_sparse_step``; Mixtral: every block). Qwen3-MoE is ``qk_norm=True`` with renormalised top-k
+weights and no shared expert.
 
 Parameter names follow the dense family's, with the experts under the block's ``mlp``:
 ``blocks.{i}.mlp.router.weight`` (E, H), ``blocks.{i}.mlp.experts.gate_up_proj`` (E, 2F, H),
@@ -46,7 +48,10 @@ class MoEModel(LlamaDecoder):
       gradients through the layers' outputs, not through the returned loss);
     * ``shared_ffn_hidden_size``: a shared SwiGLU expert of that size in every MoE block; with
       ``shared_expert_gate`` its output is scaled by a learned sigmoid gate (Qwen2-MoE);
-    * ``moe_layer_freq``, ``mlp_only_layers``: which blocks are MoE blocks (see the module docstring)."""
+    * ``moe_layer_freq``, ``mlp_only_layers``: which blocks are MoE blocks (see the module docstring);
+    * ``score_func``, ``n_group``, ``topk_group``, ``routed_scaling_factor``, ``score_bias``,
+      ``bias_update_rate``, ``seq_aux_loss_coeff``: DeepSeekMoE routing and auxiliary-loss-free balancing, as
+      :class:`dufu.layers.MoE` takes them (defaults: Mixtral's softmax routing)."""
 
     supports_context_parallel = False
     context_parallel_unsupported_reason = (
@@ -75,6 +80,7 @@ class MoEModel(LlamaDecoder):
         tie_word_embeddings: bool = False,
         initializer_range: float = 0.02,
         fused_loss: bool = False,
+        qk_norm: bool = False,
         num_experts: int = 8,
         top_k: int = 2,
         moe_ffn_hidden_size: Optional[int] = None,
@@ -87,6 +93,13 @@ class MoEModel(LlamaDecoder):
         moe_layer_freq: int = 1,
         mlp_only_layers: Sequence[int] = (),
         pretrained: Optional[str] = None,
+        score_func: str = "softmax",
+        n_group: int = 1,
+        topk_group: int = 1,
+        routed_scaling_factor: float = 1.0,
+        score_bias: bool = False,
+        bias_update_rate: float = 0.0,
+        seq_aux_loss_coeff: float = 0.0,
     ):
         if not isinstance(moe_layer_freq, int) or moe_layer_freq < 1:
             raise ValueError(f"MoEModel: moe_layer_freq {moe_layer_freq!r} must be a whole number >= 1 (every "
@@ -103,6 +116,9 @@ class MoEModel(LlamaDecoder):
         self.aux_loss_coeff, self.z_loss_coeff = aux_loss_coeff, z_loss_coeff
         self.shared_ffn_hidden_size, self.shared_expert_gate = shared_ffn_hidden_size, shared_expert_gate
         self.moe_layer_freq, self.mlp_only_layers = moe_layer_freq, tuple(sorted(set(mlp_only_layers)))
+        self.router_options = dict(score_func=score_func, n_group=n_group, topk_group=topk_group,
+                                   routed_scaling_factor=routed_scaling_factor, score_bias=score_bias,
+                                   bias_update_rate=bias_update_rate, seq_aux_loss_coeff=seq_aux_loss_coeff)
         super().__init__(
             vocab_size, hidden_size=hidden_size, num_layers=num_layers, num_attention_heads=num_attention_heads,
             num_key_value_heads=num_key_value_heads, head_dim=head_dim, ffn_hidden_size=ffn_hidden_size,
@@ -110,7 +126,7 @@ class MoEModel(LlamaDecoder):
             rope_scaling=rope_scaling, qkv_bias=qkv_bias, out_bias=out_bias, mlp_bias=mlp_bias,
             embedding_dropout=embedding_dropout, hidden_dropout=hidden_dropout, attention_dropout=attention_dropout,
             tie_word_embeddings=tie_word_embeddings, initializer_range=initializer_range, fused_loss=fused_loss,
-            pretrained=pretrained,
+            qk_norm=qk_norm, pretrained=pretrained,
         )
 
     def is_moe_layer(self, i: int) -> bool:
@@ -125,7 +141,7 @@ class MoEModel(LlamaDecoder):
                 norm_topk_prob=self.norm_topk_prob, capacity_factor=self.capacity_factor,
                 aux_loss_coeff=self.aux_loss_coeff, z_loss_coeff=self.z_loss_coeff,
                 shared_ffn_hidden_size=self.shared_ffn_hidden_size, shared_expert_gate=self.shared_expert_gate,
-                init_std=self.initializer_range,
+                init_std=self.initializer_range, **self.router_options,
             )
         return LlamaBlock(layer_idx=i, mlp=mlp, **kwargs)
 

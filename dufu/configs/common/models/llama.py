@@ -19,6 +19,7 @@ model = L(LlamaModel)(
     qkv_bias=False,
     out_bias=False,
     mlp_bias=False,
+    qk_norm=False,  # an RMSNorm of head_dim on each query and key head before the rotation (Qwen3)
     embedding_dropout=0.0,
     hidden_dropout=0.0,
     attention_dropout=0.0,

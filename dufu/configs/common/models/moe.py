@@ -18,6 +18,7 @@ model = L(MoEModel)(
     qkv_bias=False,
     out_bias=False,
     mlp_bias=False,  # dense blocks only: experts have no biases
+    qk_norm=False,  # an RMSNorm of head_dim on each query and key head before the rotation (Qwen3)
     embedding_dropout=0.0,
     hidden_dropout=0.0,
     attention_dropout=0.0,
@@ -40,6 +41,16 @@ model = L(MoEModel)(
     # decoder_sparse_step and mlp_only_layers); the others keep a dense SwiGLU of ffn_hidden_size.
     moe_layer_freq=1,
     mlp_only_layers=[],
+    # DeepSeekMoE routing (dufu.layers.MoE): "sigmoid" scores, group-limited routing (n_group groups, topk_group
+    # kept per token), the routed scaling factor; auxiliary-loss-free balancing (score_bias, moved by
+    # bias_update_rate x sign of the load error after each step) and the sequence-wise balance loss.
+    score_func="softmax",
+    n_group=1,
+    topk_group=1,
+    routed_scaling_factor=1.0,
+    score_bias=False,
+    bias_update_rate=0.0,
+    seq_aux_loss_coeff=0.0,
     # A Hugging Face Mixtral/Qwen2-MoE directory or a dufu run/checkpoint to start from (sizes must match it).
     pretrained=None,
 )
