@@ -187,6 +187,9 @@ def _child_env(extra: Optional[dict], fault: Optional[str]) -> dict:
     env = dict(os.environ)
     for key in _PRIVATE_ENV:
         env.pop(key, None)
+    # a suite run inside an srun step: its children are not that step's tasks (dufu.parallel.slurm reads these)
+    for key in [k for k in env if k.startswith("SLURM_") and k != "SLURM_CONF"]:
+        env.pop(key)
     env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     if fault:

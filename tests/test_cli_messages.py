@@ -170,7 +170,9 @@ def test_configs_filters_by_name_or_description(capsys):
     assert "gpt_debug" not in listed and "bert_base" not in listed
     assert all("llama" in f"{n} {d}".lower() for n, d in listed.items())
     assert cli_main(["configs", "tiny", "llama"]) == 0  # every word must match
-    assert set(_listed(capsys.readouterr().out)) == {"llama_debug", "llama_lora_debug"}
+    listed = _listed(capsys.readouterr().out)
+    assert {"llama_debug", "llama_lora_debug"} <= set(listed) and "llama_sft" not in listed
+    assert all("tiny" in f"{n} {d}".lower() and "llama" in f"{n} {d}".lower() for n, d in listed.items())
     assert cli_main(["configs", "no-such-thing"]) == 2
     err = " ".join(capsys.readouterr().err.split())
     assert "no packaged recipe has 'no-such-thing' in its name or description" in err

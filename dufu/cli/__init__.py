@@ -25,6 +25,11 @@ commands:
                       train; CONFIG is a .py/.yaml file or a packaged recipe name (default: "default");
                       --nproc N starts N processes through torchrun (multi-node: --nnodes, --node-rank,
                       --master-addr, --master-port)
+  slurm [CONFIG] [key=value ...] --nodes N --gpus-per-node G [--partition P] [--time T] [--account A]
+        [--output-dir D] [--submit]
+                      write (and submit) an sbatch script that trains under srun, saves and requeues itself
+                      before the time limit and resumes (docs/cluster.md); `srun dufu train ...` reads Slurm's
+                      rendezvous by itself
   plan [CONFIG] [key=value ...] --gpus N --gpu NAME [--gpus-per-node 8] [--json] [--plot FILE.png]
                       predict per-device peak memory and step time of the config's layout; with `auto` values
                       (e.g. train.dist.tensor_parallel_size=auto), rank the layouts that fit (dufu plan -h)
@@ -120,7 +125,8 @@ def version_text() -> str:
 COMMANDS = {"train": "dufu.cli.train", "eval": "dufu.cli.eval", "configs": "dufu.cli.configs",
             "preprocess": "dufu.data.preprocess", "convert": "dufu.cli.convert", "generate": "dufu.cli.generate",
             "plan": "dufu.cli.plan", "prune": "dufu.cli.prune", "quantize": "dufu.cli.quantize",
-            "lighthouse": "dufu.cli.lighthouse", "diagnose": "dufu.cli.diagnose"}
+            "lighthouse": "dufu.cli.lighthouse", "diagnose": "dufu.cli.diagnose",
+            "slurm": "dufu.cli.slurm"}
 
 
 # Set when a command ended because a collective with the other ranks failed (another rank died or hung): this
@@ -145,6 +151,20 @@ def run(argv: list[str] | None = None) -> int:
             print(code, file=sys.stderr)
         code = 0 if code is None else 1
     return code
+
+
+def command() -> None:
+    """The ``dufu`` console script, and ``python -m dufu``: :func:`run`, then an exit that never lets the interpreter
+    tear down a live gloo process group (that can abort a rank after its work is done; ``srun dufu train`` runs the
+    workers through this script)."""
+    code = run()
+    if "torch.distributed" in sys.modules:  # only a process that may have a process group pays for the import
+        from dufu.parallel.launch import exit_process
+
+        # A rank that stops because a peer failed leaves a moment later: torchrun's agent (polling every 0.1 s)
+        # names the failure it sees first, which must be the peer's (e.g. "killed by SIGKILL"), not this consequence.
+        exit_process(code, linger_seconds=1.0 if peer_failed else 0.0)
+    sys.exit(code)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
+import signal
 import sys
 import tempfile
 from pathlib import Path
@@ -19,7 +21,10 @@ from dufu.errors import DufuError
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="dufu train", description="Train a model from a config.")
+    parser = argparse.ArgumentParser(
+        prog="dufu train", description="Train a model from a config. Started by srun (a Slurm job step), it reads the "
+        "launch from Slurm: one task per node runs dufu's launcher (--nproc: the node's GPUs), one task per GPU runs "
+        "one process each; the options below, when given, win over Slurm's values (docs/cluster.md).")
     parser.add_argument("config", nargs="?", default=None,
                         help="a .py or .yaml config, or a packaged recipe name (see `dufu configs`); default: default")
     parser.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in train.output_dir")
@@ -38,11 +43,17 @@ def main(argv: list[str]) -> int:
                              "which a resume otherwise refuses to change; repeatable")
     parser.add_argument("--show-config", action="store_true", help="print the resolved config as YAML and exit")
     parser.add_argument("--nproc", "--nproc-per-node", dest="nproc", type=int, default=None,
-                        help="processes per node; dufu starts them through torchrun")
-    parser.add_argument("--nnodes", default=None, help="number of nodes (torchrun --nnodes)")
-    parser.add_argument("--node-rank", type=int, default=None, help="this node's rank (torchrun --node-rank)")
-    parser.add_argument("--master-addr", default=None, help="address of node 0 (torchrun --master-addr)")
-    parser.add_argument("--master-port", type=int, default=None, help="port on node 0 (torchrun --master-port)")
+                        help="processes per node; dufu starts them through torchrun (under srun with one task per "
+                             "node: default the node's GPUs)")
+    parser.add_argument("--nnodes", default=None, help="number of nodes (torchrun --nnodes; under srun: the step's)")
+    parser.add_argument("--node-rank", type=int, default=None,
+                        help="this node's rank (torchrun --node-rank; under srun: SLURM_NODEID)")
+    parser.add_argument("--master-addr", default=None,
+                        help="address of node 0 (torchrun --master-addr; under srun: MASTER_ADDR, else the first "
+                             "host of the step's node list)")
+    parser.add_argument("--master-port", type=int, default=None,
+                        help="port on node 0 (torchrun --master-port; under srun: MASTER_PORT, else 20000 + the job "
+                             "id %% 20000)")
     parser.add_argument("--rdzv-endpoint", default=None,
                         help="HOST:PORT of the rendezvous of an elastic job (torchrun's c10d rendezvous); with "
                              "--nnodes MIN:MAX nodes may leave and join, the job restarts at the new world size")
@@ -62,9 +73,18 @@ def main(argv: list[str]) -> int:
     parser.add_argument("overrides", nargs="*", help="config overrides, e.g. train.train_iter=100 optim.lr=1e-3")
     args, config, overrides = parse_config_args(parser, argv, "train")
     check_resume_options(args)
+    slurm_notice = from_slurm(args)  # under srun: the launch Slurm's environment describes
     if args.nproc is not None and "LOCAL_RANK" not in os.environ and not (args.dry_run or args.show_config):
         # the workers' imports start now, beside this process's own and its checks (dufu.cli.workers)
-        start_worker_server(args.nproc)
+        if slurm_notice:
+            # Slurm signals every process of a step (srun forwards USR1 to the whole process tree), the fork
+            # server too, whose death would reach the workers as SIGINT (torch sets it as their parent-death
+            # signal) and make them abandon the save that USR1 asked for. The server inherits an ignored signal
+            # (it survives exec); the workers install their own handler for it (dufu.engine.resilience.preemption).
+            with _ignored(signal.SIGUSR1):
+                start_worker_server(args.nproc)
+        else:
+            start_worker_server(args.nproc)
     cfg = load_train_config(config, overrides)
     if args.dry_run or args.world_size is not None or args.rank or args.json:
         from dufu.plan.rehearsal import dry_run  # imports torch: not for --help
@@ -90,13 +110,57 @@ def main(argv: list[str]) -> int:
     from dufu.engine.trainer import Trainer  # imports torch: not for --help
     from dufu.parallel.launch import finish_distributed  # imports torch: not for --help
 
-    trainer = Trainer(cfg, resume=resume_request(args), notices=[notice] if notice else (),
+    trainer = Trainer(cfg, resume=resume_request(args), notices=[n for n in (slurm_notice, notice) if n],
                       memory_plan=memory_plan(cfg, world_size) if cfg.train.plan_memory else None)
     trainer.train()
     # a scheduler requeues a preempted job; Ctrl-C is a person's stop (dufu.engine.resilience.preemption)
     code = exit_code(trainer.preempted) if trainer.preempted else 0
     finish_distributed(code)
     return code
+
+
+@contextlib.contextmanager
+def _ignored(sig):
+    previous = signal.signal(sig, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(sig, previous)
+
+
+def from_slurm(args) -> str | None:
+    """In a task that ``srun`` started (dufu.parallel.slurm): make this task its node's launcher (``--nproc``,
+    ``--nnodes``, ``--node-rank``, ``--master-addr``, ``--master-port`` filled in from Slurm where not given) or one
+    process of the run (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` set from
+    Slurm), and say which on stderr (once per job: task 0, or node 0's launcher). Returns that line for the
+    start-up summary, or None when this is no Slurm step's task: outside Slurm, in a batch or salloc shell (no
+    ``SLURM_STEP_ID``), in a worker torchrun started (``LOCAL_RANK`` set), or for --show-config / --dry-run."""
+    if (os.environ.get("SLURM_STEP_ID") is None or "LOCAL_RANK" in os.environ or args.show_config or args.dry_run
+            or args.world_size is not None or args.rank or args.json):
+        return None
+    from dufu.parallel.slurm import SlurmError, plan_launch, read_step  # imports torch (dufu.parallel): srun only
+
+    step = read_step()
+    if step is None:
+        return None
+    plan = plan_launch(step, args.nproc, args.nnodes, args.node_rank, args.master_addr, args.master_port)
+    if plan.mode == "process":
+        for flag, value in (("--max-restarts", args.max_restarts), ("--rdzv-endpoint", args.rdzv_endpoint)):
+            if value is not None:
+                raise SlurmError(
+                    f"{flag} with one process per Slurm task: there is no torchrun agent to restart or re-form the "
+                    f"group. Give srun one task per node (--ntasks-per-node=1) and dufu's launcher uses {flag}; "
+                    "or let Slurm requeue the job (dufu slurm ... writes such a job script).")
+        os.environ.update(plan.worker_env())
+    elif plan.world_size > 1:
+        args.nproc, args.node_rank = plan.nproc_per_node, plan.node_rank
+        args.nnodes = args.nnodes if args.nnodes is not None else str(plan.nnodes)
+        if args.rdzv_endpoint is None:  # an elastic rendezvous names its own host and port
+            args.master_addr, args.master_port = plan.master_addr, plan.master_port
+    line = plan.describe()
+    if (plan.rank if plan.mode == "process" else plan.node_rank) == 0:
+        print(f"dufu: {line}", file=sys.stderr, flush=True)
+    return line
 
 
 def check_resume_options(args) -> None:

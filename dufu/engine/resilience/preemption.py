@@ -153,6 +153,10 @@ def resume_command_here(output_dir, environ=None) -> str:
     was started with, which a worker does not know: the command then says so."""
     env = os.environ if environ is None else environ
     if "TORCHELASTIC_RUN_ID" not in env:
+        world = int(env.get("WORLD_SIZE", "1") or 1)
+        if env.get("SLURM_STEP_ID") is not None and world > 1:  # srun's tasks, one process each (dufu.parallel.slurm)
+            return (f"srun --ntasks={world} --ntasks-per-node={env.get('LOCAL_WORLD_SIZE', world)} "
+                    f"{resume_command(output_dir)}")
         return resume_command(output_dir)
     nnodes = int(env.get("GROUP_WORLD_SIZE", "1") or 1)
     cmd = resume_command(output_dir, int(env["LOCAL_WORLD_SIZE"]), ["--nnodes", str(nnodes)] if nnodes > 1 else [])
