@@ -3,6 +3,7 @@
 from dufu.layers.attention import Attention, CausalSelfAttention, KVCache, padding_mask_to_bias
 from dufu.layers.embedding import HeadwiseEmbedding, PositionEmbedding, TokenTypeEmbedding, VocabEmbedding
 from dufu.layers.linear import PARALLEL_STYLES, Linear
+from dufu.layers.mla import MLA
 from dufu.layers.mlp import MLP, GatedMLP
 from dufu.layers.moe import GroupedExperts, MoE
 from dufu.layers.norm import LayerNorm, RMSNorm
@@ -22,6 +23,7 @@ __all__ = [
     "CausalSelfAttention",
     "LayerNorm",
     "Linear",
+    "MLA",
     "MLP",
     "PARALLEL_STYLES",
     "PositionEmbedding",

@@ -37,6 +37,10 @@ TINY = {
     "GPTModel": TEXT,
     "LlamaModel": DECODER,
     "MoEModel": dict(DECODER, num_experts=4, top_k=2, moe_ffn_hidden_size=64),
+    # no MTP depth: the round trip rebuilds the model from its exported config, which never builds MTP modules
+    "DeepseekV3Model": dict(TEXT, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                            v_head_dim=16, ffn_hidden_size=128, first_k_dense=1, num_experts=4, top_k=2,
+                            moe_ffn_hidden_size=32, n_group=2, topk_group=1),
     "BertModel": TEXT,
     "BertForMaskedLM": TEXT,
     "BertForSequenceClassification": dict(TEXT, num_labels=3),
