@@ -40,6 +40,7 @@ from dufu.parallel.checks import validate_layout
 from dufu.parallel.expert_parallel import selective_checkpoint_notice
 from dufu.parallel.materialize import materialize_, supports_meta_init
 from dufu.parallel.parallel_dims import ParallelDims
+from dufu.parallel.pipeline import V_SCHEDULES
 from dufu.models.base import contract_of
 
 
@@ -106,6 +107,11 @@ def plan_run(cfg, world_size: int, resume: bool | str | Path | ResumeRequest = F
     if dims.cp_enabled:
         refuse_with_context_parallel(cfg, model)
     if cfg.get("distill") is not None:  # the teacher exists, the weights make sense, the vocabularies agree
+        if stage_ids is not None and t.dist.pipeline_schedule in V_SCHEDULES:
+            raise LayoutError(
+                f"train.dist.pipeline_schedule={t.dist.pipeline_schedule} computes the loss on pipeline rank 0 (a V), "
+                "but distillation's teacher hands its logits to the last rank; use 1f1b or interleaved_1f1b with "
+                "distillation.")
         check_teacher(instantiate(cfg.distill), model)
     scheduler, notice = fit_warmup_to_run(with_kwargs(t.scheduler, max_iter=t.train_iter), t.train_iter)
     # A delta run's checkpoints hold only the delta: its base is read from its source on every start.

@@ -18,7 +18,8 @@ from dufu.models.base import contract_of
 from dufu.parallel.grads import tied_parameters
 from dufu.parallel.materialize import materialize_
 from dufu.parallel.parallelize import parallelize
-from dufu.parallel.pipeline import build_schedule, build_stage_module, make_stages
+from dufu.parallel.pipeline import (V_SCHEDULES, build_schedule, build_stage_module, check_pipeline_schedule,
+                                    follow_tied_sources, make_stages, rank_stages)
 
 
 @dataclass
@@ -55,7 +56,8 @@ def build_model_parts(
     whole), parallelize each part with ``parallel_kwargs`` (see :func:`parallelize`) and, for a model built on
     the meta device (``meta_init``), allocate and fill it (``pretrained``, ``init_parameters``: see
     :func:`materialize_`). Under pipeline parallelism the parts run in a schedule whose last stage computes
-    ``loss_fn(output, target)`` over ``num_microbatches`` micro-batches."""
+    ``loss_fn(output, target)`` over ``num_microbatches`` micro-batches: ``pipeline_schedule`` (a name of
+    :data:`dufu.parallel.pipeline.SCHEDULES`) decides which stages this rank holds (:func:`rank_stages`)."""
     pp, pp_rank = (mesh.mesh.shape[0], mesh.get_coordinate()[0]) if mesh is not None else (1, 0)  # axes (pp, dp, tp)
     # Frozen parameters (a delta run's base) stay frozen in every part, under every name: a pipeline stage's
     # own copy of a tied head is a new parameter and must not train where its twin does not.
@@ -63,8 +65,11 @@ def build_model_parts(
     if stage_ids is None:
         num_stages, parts = 1, {0: model}
     else:
+        # the launcher checked this already (dufu.parallel.checks); a caller that did not gets the same message
+        check_pipeline_schedule(pipeline_schedule, pp, virtual_pipeline_size, len(stage_ids), num_microbatches,
+                                zero_stage=parallel_kwargs.get("zero_stage"))
         num_stages = pp * virtual_pipeline_size
-        mine = range(pp_rank, num_stages, pp)
+        mine = rank_stages(pipeline_schedule, pp, pp_rank, virtual_pipeline_size)
         # A full model built on this rank (not on meta) is cut in place when the rank holds one stage:
         # a copy per stage would hold the whole model twice until start-up ends.
         in_place = not meta_init and len(mine) == 1
@@ -88,8 +93,14 @@ def build_model_parts(
         schedule = build_schedule(pipeline_schedule, stages, num_microbatches, loss_fn)
     ordered = [parts[s] for s in sorted(parts)]
     tied_copies, tied = tied_parameters(ordered)
-    tied_group = tied_stage_group(mesh) if stage_ids is not None and contract_of(model).tie_word_embeddings \
-        else None
+    tied_group = None
+    if stage_ids is not None and contract_of(model).tie_word_embeddings:
+        if pipeline_schedule in V_SCHEDULES:
+            # The first and the last stage are both on pipeline rank 0: its copy follows the embedding locally
+            # (no group: dufu.parallel.grads.sync_tied_gradients sums into the embedding, the copy takes its values).
+            follow_tied_sources(ordered)
+        else:
+            tied_group = tied_stage_group(mesh)
     return ModelParts(ordered, schedule, 0 in parts, (num_stages - 1) in parts, tied_copies, tied, tied_group)
 
 

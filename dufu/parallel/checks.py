@@ -7,7 +7,8 @@ from dufu.layers.attention import Attention
 from dufu.layers.embedding import HeadwiseEmbedding
 from dufu.models.base import contract_of
 from dufu.parallel.expert_parallel import check_experts_divisible, expert_modules
-from dufu.parallel.pipeline import SCHEDULES, block_containers, layer_stage_ids, pipeline_num_layers
+from dufu.parallel.pipeline import (SCHEDULES, block_containers, check_pipeline_schedule, layer_stage_ids,
+                                    pipeline_num_layers)
 from dufu.parallel.tensor_parallel import tensor_parallel_plan
 
 
@@ -106,28 +107,14 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
     pp = dims.pipeline_parallel_size
     schedule = dist_cfg.pipeline_schedule
     v = dist_cfg.virtual_pipeline_size or 1
-    if schedule not in SCHEDULES:
-        raise LayoutError(
-            f"train.dist.pipeline_schedule={schedule!r} is not known; use one of {', '.join(SCHEDULES)}."
-        )
-    multi = SCHEDULES[schedule][1]
-    if pp == 1:
+    if pp == 1 or schedule not in SCHEDULES:  # an unknown name is refused in every layout
+        check_pipeline_schedule(schedule, pp, v, 0, num_microbatches)
         return None
     if declared.pipeline_layout is None:
         raise LayoutError(
             f"{type(model).__name__} cannot be split into pipeline stages: "
             f"{_sentence(declared.pipeline_unsupported_reason)} "
             "Use data/tensor parallelism or ZeRO, i.e. pipeline_parallel_size=1."
-        )
-    if multi and v < 2:
-        raise LayoutError(
-            f"the {schedule} schedule runs several stages per rank: set train.dist.virtual_pipeline_size to 2 or "
-            "more (stages per rank)."
-        )
-    if not multi and v != 1:
-        raise LayoutError(
-            f"train.dist.virtual_pipeline_size={v} needs an interleaved schedule; set "
-            "train.dist.pipeline_schedule=interleaved_1f1b, or virtual_pipeline_size=1."
         )
     model_layers = pipeline_num_layers(model)  # encoder + decoder blocks for an encoder-decoder
     num_layers = dist_cfg.pipeline_num_layers or model_layers
@@ -137,25 +124,9 @@ def validate_layout(dims, model, dist_cfg, zero_cfg, seq_length: int, num_microb
             f"{' (encoder plus decoder blocks)' if len(block_containers(declared.pipeline_layout)) > 1 else ''}; "
             "leave it None or make them equal."
         )
-    stages = pp * v
-    if stages > num_layers:
-        raise LayoutError(
-            f"pipeline_parallel_size {pp} x virtual_pipeline_size {v} = {stages} stages, but the model has only "
-            f"{num_layers} layers and each stage needs at least one. Use at most {num_layers} stages."
-        )
-    if num_microbatches < pp:
-        raise LayoutError(
-            f"under pipeline parallelism the accumulation steps are the micro-batches, and {schedule} needs at "
-            f"least as many micro-batches as pipeline ranks: num_accumulation_steps is {num_microbatches}, "
-            f"pipeline_parallel_size is {pp}. Raise train.global_batch_size or train.num_accumulation_steps "
-            f"(global = micro x dp x accumulation)."
-        )
-    if multi and num_microbatches % pp != 0:
-        raise LayoutError(
-            f"{schedule} needs the number of micro-batches ({num_microbatches}) to be a multiple of "
-            f"pipeline_parallel_size {pp}; adjust train.global_batch_size or train.num_accumulation_steps."
-        )
-    return layer_stage_ids(num_layers, stages, dist_cfg.custom_pipeline_stage_id)
+    check_pipeline_schedule(schedule, pp, v, num_layers, num_microbatches,
+                            zero_stage=int(zero_cfg.stage) if zero_cfg.enabled else None)
+    return layer_stage_ids(num_layers, pp * v, dist_cfg.custom_pipeline_stage_id)
 
 
 def check_context_parallel(cp: int, model, seq_length: int) -> None:

@@ -9,8 +9,11 @@ Layer placement follows LiBai: by default the ``pipeline_num_layers`` blocks
 are split into equal consecutive runs; ``custom_pipeline_stage_id`` gives a
 stage per layer. With ``virtual_pipeline_size`` v > 1 (interleaved 1F1B,
 Narayanan et al. 2021) there are pp x v stages and rank r holds stages
-r, r + pp, r + 2 pp, ... (torch's looped placement). An encoder-decoder puts
-its encoder blocks, then its decoder blocks, in one stage order (as LiBai
+r, r + pp, r + 2 pp, ... (torch's looped placement). The V schedules (ZB-V,
+Qi et al. 2024; DualPipeV, DeepSeek-V3's DualPipe cut in half) run exactly two
+stages per rank placed in a V: rank r holds stages r and 2 pp - 1 - r, so rank 0
+holds the first and the last stage (:func:`rank_stages`). An encoder-decoder
+puts its encoder blocks, then its decoder blocks, in one stage order (as LiBai
 places T5).
 
 What a stage is called with (:func:`split_pipeline_batch` prepares it):
@@ -47,7 +50,13 @@ SCHEDULES = {
     "1f1b": ("Schedule1F1B", False),
     "interleaved_1f1b": ("ScheduleInterleaved1F1B", True),
     "interleaved_zero_bubble": ("ScheduleInterleavedZeroBubble", True),
+    "zbv": ("ScheduleZBVZeroBubble", True),
+    "dualpipev": ("ScheduleDualPipeV", True),
 }
+# The schedules that place their two stages per rank in a V (rank r: stages r and 2 pp - 1 - r), not looped.
+V_SCHEDULES = ("zbv", "dualpipev")
+# The schedules that split (some) backwards into the input gradient and, later, the weight gradient.
+SPLIT_BACKWARD_SCHEDULES = ("interleaved_zero_bubble", "zbv", "dualpipev")
 
 
 def layer_stage_ids(num_layers: int, num_stages: int, custom: list[int] | None = None) -> list[int]:
@@ -200,14 +209,201 @@ def split_pipeline_batch(model: nn.Module, inputs: dict, main_input_name: str) -
     return first, inputs, target
 
 
-def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn):
+def rank_stages(schedule: str, pp: int, pp_rank: int, virtual_pipeline_size: int = 1) -> list[int]:
+    """The pipeline stages rank ``pp_rank`` of ``pp`` holds under ``schedule``, in stage order: looped (rank r:
+    r, r + pp, ... for ``virtual_pipeline_size`` stages per rank) or, for the V schedules, r and 2 pp - 1 - r.
+
+    torch computes the same maps inside its schedules (``generate_stage_to_rank_mapping``, private); this one is
+    needed before any schedule exists, to cut the model."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return list(range(pp_rank, pp * virtual_pipeline_size, pp))
+
+
+def check_pipeline_schedule(schedule: str, pp: int, virtual_pipeline_size: int, num_layers: int,
+                            num_microbatches: int, zero_stage: int | None = None) -> None:
+    """Raise LayoutError, with the arithmetic and a fix, for a schedule that cannot run ``num_layers`` layers on
+    ``pp`` pipeline ranks with ``virtual_pipeline_size`` stages each over ``num_microbatches`` micro-batches, with
+    ZeRO stage ``zero_stage`` (None: off).
+
+    Needs no process group and no torch.distributed.pipelining import: the launcher runs it before any worker."""
+    if schedule not in SCHEDULES:
+        raise LayoutError(
+            f"train.dist.pipeline_schedule={schedule!r} is not known; use one of {', '.join(SCHEDULES)}."
+        )
+    if pp == 1:
+        return
+    v = virtual_pipeline_size
+    multi, shaped_v = SCHEDULES[schedule][1], schedule in V_SCHEDULES
+    if shaped_v and v != 2:
+        raise LayoutError(
+            f"the {schedule} schedule places exactly two stages on every pipeline rank, in a V (rank r holds "
+            f"stages r and 2 x pp - 1 - r), but train.dist.virtual_pipeline_size is {v}. Set "
+            "train.dist.virtual_pipeline_size=2."
+        )
+    if multi and v < 2:
+        raise LayoutError(
+            f"the {schedule} schedule runs several stages per rank: set train.dist.virtual_pipeline_size to 2 or "
+            "more (stages per rank)."
+        )
+    if not multi and v != 1:
+        raise LayoutError(
+            f"train.dist.virtual_pipeline_size={v} needs an interleaved schedule; set "
+            "train.dist.pipeline_schedule=interleaved_1f1b, or virtual_pipeline_size=1."
+        )
+    stages = pp * v
+    if stages > num_layers:
+        fix = (f"With {schedule}, use pipeline_parallel_size at most {num_layers // 2} (2 stages per rank), or "
+               "a looped schedule (1f1b)" if shaped_v else f"Use at most {num_layers} stages")
+        raise LayoutError(
+            f"pipeline_parallel_size {pp} x virtual_pipeline_size {v} = {stages} stages, but the model has only "
+            f"{num_layers} layers and each stage needs at least one. {fix}."
+        )
+    if num_microbatches < pp:
+        raise LayoutError(
+            f"under pipeline parallelism the accumulation steps are the micro-batches, and {schedule} needs at "
+            f"least as many micro-batches as pipeline ranks: num_accumulation_steps is {num_microbatches}, "
+            f"pipeline_parallel_size is {pp}. Raise train.global_batch_size or train.num_accumulation_steps "
+            f"(global = micro x dp x accumulation)."
+        )
+    if schedule == "dualpipev" and num_microbatches < stages:
+        # torch's ScheduleDualPipeV: rank 0's steady phase (one micro-batch's forward beside another's backward,
+        # on each of its two stages) runs num_microbatches - 2 pp + 1 times, at least once.
+        raise LayoutError(
+            f"dualpipev needs at least as many micro-batches as stages, 2 x pipeline_parallel_size {pp} = "
+            f"{stages}, but num_accumulation_steps is {num_microbatches}. Raise train.global_batch_size or "
+            f"train.num_accumulation_steps to {stages} or more (global = micro x dp x accumulation), or use zbv."
+        )
+    if multi and not shaped_v and num_microbatches % pp != 0:
+        raise LayoutError(
+            f"{schedule} needs the number of micro-batches ({num_microbatches}) to be a multiple of "
+            f"pipeline_parallel_size {pp}; adjust train.global_batch_size or train.num_accumulation_steps."
+        )
+    if schedule in SPLIT_BACKWARD_SCHEDULES and zero_stage is not None and zero_stage >= 3:
+        # Measured (gpt_debug, dp 2 x pp 2): under ZeRO-3 the first step's gradient norm was 2.6-3.7 where one
+        # process has 3.84, for zbv, dualpipev and interleaved_zero_bubble alike, tied head or not; ZeRO-2 and
+        # no ZeRO gave 3.84. FSDP frees the gathered weights between the input-gradient and the weight-gradient
+        # halves of a backward, which torch's split backward needs.
+        raise LayoutError(
+            f"the {schedule} schedule computes weight gradients apart from input gradients, which ZeRO stage "
+            f"{zero_stage} (weights freed after each use) does not give correctly. Use "
+            "train.zero_optimization.stage=2 (or ZeRO off) with it, or pipeline_schedule=1f1b / interleaved_1f1b "
+            "with ZeRO-3."
+        )
+
+
+def schedule_class(name: str):
+    """torch's class for schedule ``name``; a LayoutError naming the torch version when this torch has none
+    (ScheduleZBVZeroBubble and ScheduleDualPipeV are newer than the other schedules)."""
     import torch.distributed.pipelining as pipelining  # here, not at the top: ~1.5 s (see SCHEDULES)
 
-    class_name, multi = SCHEDULES[name]
-    cls = getattr(pipelining, class_name)
-    if multi:
+    class_name = SCHEDULES[name][0]
+    cls = getattr(pipelining, class_name, None)
+    if cls is None:
+        raise LayoutError(
+            f"train.dist.pipeline_schedule={name} runs torch.distributed.pipelining.{class_name}, which torch "
+            f"{torch.__version__} does not have. Use a newer torch, or another schedule (1f1b, interleaved_1f1b)."
+        )
+    return cls
+
+
+def build_schedule(name: str, stages: list, n_microbatches: int, loss_fn):
+    cls = schedule_class(name)
+    if name in V_SCHEDULES:
+        cls = _forward_only_eval(cls)
+    if SCHEDULES[name][1]:
         return cls(stages, n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
     return cls(stages[0], n_microbatches=n_microbatches, loss_fn=loss_fn, scale_grads=True)
+
+
+_EVAL_CLASSES: dict = {}
+
+
+def _forward_only_eval(cls):
+    """``cls`` (a torch V schedule) whose ``eval()`` runs only the forward half of its actions.
+
+    torch's ``eval()`` runs the training action list with backward turned off in the stages, and a V schedule's
+    list hands each backward's input gradient from one stage to the other on the same rank (the bottom of the V)
+    without a send: with no backward run there is none to hand, and torch 2.13 stops with "can't steal_bwd_input
+    if this stage doesn't have backward". Dropping the backward actions (and their sends and receives, and the
+    backward halves of DualPipeV's overlapped pairs) keeps every forward, send and receive in torch's order, and
+    waits on fewer things than the full list, so it cannot deadlock where the full list does not. Uses torch's
+    private action list (``pipeline_order_with_comms``): no public API runs a multi-stage schedule forward-only."""
+    if cls not in _EVAL_CLASSES:
+        def eval(self, *args, **kwargs):
+            full = self.pipeline_order_with_comms
+            self.pipeline_order_with_comms = {rank: _forward_actions(actions) for rank, actions in full.items()}
+            try:
+                return cls.eval(self, *args, **kwargs)
+            finally:
+                self.pipeline_order_with_comms = full
+
+        _EVAL_CLASSES[cls] = type(cls.__name__, (cls,), {"eval": eval, "__module__": __name__})
+    return _EVAL_CLASSES[cls]
+
+
+def _forward_actions(actions: list) -> list:
+    from torch.distributed.pipelining.schedules import _ComputationType  # torch-private, see _forward_only_eval
+
+    kinds = _ComputationType
+    keep = {kinds.FORWARD, kinds.SEND_F, kinds.RECV_F, kinds.UNSHARD, kinds.RESHARD}
+    out = []
+    for action in actions:
+        if action is None:
+            continue
+        if action.computation_type in keep:
+            out.append(action)
+        else:  # an overlapped forward/backward pair keeps its forward; a backward, its send or receive goes
+            out.extend(a for a in getattr(action, "sub_actions", None) or () if a.computation_type == kinds.FORWARD)
+    return out
+
+
+class _FollowSources:
+    """Keeps tied copies equal to their sources on the same rank (see :func:`follow_tied_sources`)."""
+
+    def __init__(self, pairs: list[tuple[nn.Parameter, nn.Parameter]]):
+        self.pairs = pairs  # (copy, source)
+
+    @torch.no_grad()
+    def sync(self, *_unused) -> None:
+        # Through .data: the write is not counted in the copy's version, so an earlier micro-batch whose backward
+        # saved the copy does not fail; the values written are the ones it holds already, since the source
+        # changes only in the optimizer step, between steps. (Optimizers' fused kernels do not bump the version
+        # counter either, so it cannot tell when the source changed.)
+        for twin, source in self.pairs:
+            twin.data.copy_(source.data)
+
+    def before_forward(self, module, args) -> None:
+        # A step begins with the copy's gradient dropped (dufu.parallel.grads.sync_tied_gradients sums it into
+        # the source and drops it; the trainer zeroes gradients to None): from then until the copy's first
+        # gradient of the step every forward refreshes it, the first one after the optimizer step included.
+        if any(twin.grad is None for twin, _ in self.pairs):
+            self.sync()
+
+
+def follow_tied_sources(parts: list[nn.Module]) -> None:
+    """Under a V placement the first and the last stage share a rank, so a tied head's copy
+    (:func:`build_stage_module`) and the embedding it copies are on one rank: the trainer adds the copy's gradient
+    to the embedding's and drops it (:func:`dufu.parallel.grads.sync_tied_gradients` without a group), the
+    optimizer updates the embedding only, and the copy takes the embedding's values before its stage's next
+    forward and before every ``state_dict`` (so checkpoints hold equal twins, as one process's tied weight).
+
+    Call after the parts are parallelized and materialized (the parameter objects are final then)."""
+    sources = {}
+    for part in parts:
+        for name, role in contract_of(part).tied_parameter_role.items():
+            if role == "source":
+                sources[name] = part.get_parameter(name)
+    for part in parts:
+        declared = contract_of(part)
+        pairs = [(part.get_parameter(name), sources[declared.tied_parameter_names[name]])
+                 for name, role in declared.tied_parameter_role.items()
+                 if role == "copy" and declared.tied_parameter_names[name] in sources]
+        if pairs:
+            follow = _FollowSources(pairs)
+            # first, before FSDP's own pre-forward hook gathers the copy's unit (prepended when it was applied)
+            part.register_forward_pre_hook(follow.before_forward, prepend=True)
+            part.register_state_dict_pre_hook(follow.sync)
 
 
 def make_stages(stage_modules: dict[int, nn.Module], num_stages: int, device: torch.device, group) -> list:

@@ -78,6 +78,20 @@ BAD_LAYOUTS = {
         2, [f"{PP}=2", f"{VIRTUAL}=2", f"{ACCUM}=2", "model.num_layers=4"],
         ["virtual_pipeline_size=2 needs an interleaved schedule", "pipeline_schedule=interleaved_1f1b"],
     ),
+    # the V schedules (dufu.parallel.pipeline.check_pipeline_schedule)
+    "dualpipev-too-few-microbatches": (
+        2, [f"{PP}=2", f"{SCHEDULE}=dualpipev", f"{VIRTUAL}=2", f"{ACCUM}=2", "model.num_layers=4"],
+        ["2 x pipeline_parallel_size 2 = 4", "num_accumulation_steps is 2"],
+    ),
+    "zbv-without-two-stages": (
+        2, [f"{PP}=2", f"{SCHEDULE}=zbv", f"{ACCUM}=2", "model.num_layers=4"],
+        ["exactly two stages on every pipeline rank", "train.dist.virtual_pipeline_size=2"],
+    ),
+    "zbv-with-zero3": (
+        4, ["train.dist.data_parallel_size=2", f"{PP}=2", f"{SCHEDULE}=zbv", f"{VIRTUAL}=2", f"{ACCUM}=2",
+            "model.num_layers=4", *ZERO3],
+        ["computes weight gradients apart from input gradients", "train.zero_optimization.stage=2"],
+    ),
     "sequence-parallel-without-tp": (
         1, ["train.dist.sequence_parallel=True"],
         ["sequence_parallel=True needs tensor parallelism", "tensor_parallel_size is 1"],
