@@ -28,6 +28,7 @@ class StepRecord:
     grad_norm: float
     finite: bool
     skipped: int
+    parts: tuple = ()  # (name, value) of the loss's named parts, e.g. DeepSeek-V3's lm_loss and mtp_loss
 
 
 class StepStats:
@@ -40,22 +41,28 @@ class StepStats:
         self.pending: list[tuple[int, torch.Tensor]] = []
         self.last: StepRecord | None = None
 
-    def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
+    def add(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor, parts: dict | None = None) -> None:
+        """One step's loss and gradient norm, and ``parts``: {name: 0-dim tensor} of the loss's named parts."""
         finite = torch.isfinite(grad_norm.detach().float().to(self.device))
         self.skipped = self.skipped + (~finite).float()
+        names = tuple(sorted(parts or {}))
         row = torch.stack([loss.detach().float().to(self.device).reshape(()),
-                           grad_norm.detach().float().to(self.device).reshape(()), finite.float(), self.skipped])
-        self.pending.append((step, row))
+                           grad_norm.detach().float().to(self.device).reshape(()), finite.float(), self.skipped,
+                           *(parts[n].detach().float().to(self.device).reshape(()) for n in names)])
+        self.pending.append((step, names, row))
 
     def read(self) -> list[StepRecord]:
         """The steps added since the last read, oldest first (one host read for all of them)."""
         if not self.pending:
             return []
-        steps, rows = zip(*self.pending)
+        steps, names, rows = zip(*self.pending)
         self.pending = []
-        values = torch.stack(rows).tolist()  # the one read
-        records = [StepRecord(s, loss, norm, finite > 0.5, int(skipped))
-                   for s, (loss, norm, finite, skipped) in zip(steps, values)]
+        values = torch.cat(rows).tolist()  # the one read (rows of different lengths: one flat list)
+        records, at = [], 0
+        for s, n, row in zip(steps, names, rows):
+            loss, norm, finite, skipped, *parts = values[at:at + row.numel()]
+            at += row.numel()
+            records.append(StepRecord(s, loss, norm, finite > 0.5, int(skipped), tuple(zip(n, parts))))
         self.last = records[-1]
         return records
 

@@ -82,6 +82,7 @@ class Trainer:
         self.step, self.last_lr = 0, 0.0
         # loss, gradient norm and verdicts of the steps not yet read back from the device (dufu.engine.step_stats)
         self.stats = StepStats(rt.device)
+        self._loss_parts, self.step_loss_parts = {}, {}  # named parts of the loss: this step's so far, the last's
         self.activity = "before the first step"  # where the loop is, for DistributedFailure messages
         self.eval_enabled = bool(t.evaluation.enabled) and rt.valid_ds is not None
         self.preemption, self.preempted = Preemption(t.preemption.enabled, self.checkpointer), None  # SIGTERM/USR1/INT
@@ -155,7 +156,14 @@ class Trainer:
                 part.set_requires_gradient_sync(last)
         with rt.autocast(amp=False):  # the vocabulary-parallel loss, for forward and backward
             with rt.autocast(loss=False):  # mixed precision for the forward only
-                loss = rt.teacher.loss(rt.model, inputs) if rt.teacher else rt.model(**inputs).loss
+                if rt.teacher:
+                    loss = rt.teacher.loss(rt.model, inputs)
+                else:
+                    out = rt.model(**inputs)
+                    loss = out.loss
+                    for name, part in getattr(out, "loss_parts", {}).items():  # logged beside the loss, as it is
+                        weighted = local_scalar(rt.loss.weighted(part.detach(), inputs))
+                        self._loss_parts[name] = self._loss_parts.get(name, 0.0) + weighted
                 loss = rt.loss.weighted(loss, inputs)
             rt.loss.scaled(loss).backward()  # outside autocast (torch's advice)
         return local_scalar(loss)
@@ -195,6 +203,10 @@ class Trainer:
         for sched in self.schedulers:
             sched.step()
         loss = rt.loss.reduce(local_loss)
+        # the loss's named parts (a model output's ``loss_parts``: DeepSeek-V3's lm_loss, mtp_loss), reduced as the
+        # loss is; not under pipeline parallelism, whose schedule returns the last stage's total loss only
+        self.step_loss_parts = {name: rt.loss.reduce(v) for name, v in self._loss_parts.items()}
+        self._loss_parts = {}
         self.hooks.call("after_optimizer", self, loss, grad_norm)
         return loss, grad_norm
 
@@ -300,7 +312,7 @@ class Trainer:
                 notice = enter_steady_state(t.dist.timeout_minutes)
                 if notice and self.runtime.is_main:
                     self.log(f"notice: {notice}")
-            self.stats.add(self.step, loss, grad_norm)
+            self.stats.add(self.step, loss, grad_norm, self.step_loss_parts)
             logged = self.step % t.log_period == 0 or self.step == t.train_iter
             evaluated = self.eval_enabled and (self.step % t.evaluation.eval_period == 0 or self.step == t.train_iter)
             period = t.checkpointer.period

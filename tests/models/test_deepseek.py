@@ -222,3 +222,17 @@ def test_context_parallel_is_refused_with_the_reason():
     no_mtp = debug_model(mtp_depth=0)
     assert not no_mtp.supports_context_parallel and "seq_aux_loss_coeff" in no_mtp.context_parallel_unsupported_reason
     assert debug_model(mtp_depth=0, seq_aux_loss_coeff=0.0).supports_context_parallel
+
+
+def test_a_run_logs_the_language_model_and_mtp_losses_beside_their_sum(tmp_path):
+    """The training record carries the loss's named parts (the output's ``loss_parts``), reduced as the loss is:
+    loss = lm_loss + mtp_loss_weight x mtp_loss at every logged step."""
+    from dufu_testing import read_records, train
+
+    run = train(tmp_path / "run", ["train.train_iter=2", "train.log_period=1"], recipe="deepseek_v3_debug")
+    steps = [r for r in read_records(run.output_dir) if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2]
+    weight = LazyConfig.load(str(resolve_config_path("deepseek_v3_debug"))).model.mtp_loss_weight
+    for r in steps:
+        assert r["lm_loss"] > 0 and r["mtp_loss"] > 0
+        assert r["loss"] == pytest.approx(r["lm_loss"] + weight * r["mtp_loss"], rel=1e-6)

@@ -219,6 +219,7 @@ class RunLog:
             }
             if rt.compile_watch is not None:  # compilations after the warm-up (dufu.parallel.compile)
                 record["recompiles"] = rt.compile_watch.recompile_count
+            record.update(numbers.parts)  # the loss's named parts (e.g. lm_loss, mtp_loss), as the loss: this step's
             if numbers.skipped:
                 record["skipped_steps"] = numbers.skipped
             if rt.moe:  # a mixture-of-experts model: its load balance (dufu.engine.moe_monitor)
