@@ -35,6 +35,7 @@ from dufu.engine.run_tokenizer import run_tokenizer
 from dufu.engine.schema import auto_layout_keys
 from dufu.engine.validate import resolve_batch_sizes, validate_config
 from dufu.errors import ConfigError, DufuError, LayoutError
+from dufu.layers.mla import MLA
 from dufu.engine.weights.pretrained import Pretrained, load_pretrained, pretrained_weights
 from dufu.parallel.checks import validate_layout
 from dufu.parallel.expert_parallel import selective_checkpoint_notice
@@ -164,14 +165,16 @@ def check_validation_set(cfg, valid_ds, global_batch_size: int) -> None:
 
 def refuse_with_context_parallel(cfg, model) -> None:
     """What context parallelism does not take yet, refused before any worker starts (each would silently change
-    the numbers: masks from restarting positions, a teacher not split like the student, tokens added inside)."""
-    data = cfg.dataloader.train
+    the numbers: a teacher not split like the student, tokens added inside). Packed samples and document masks
+    it takes (dufu.parallel.context_parallel numbers the documents before the split)."""
     why = None
-    if data.get("packing") or data.get("document_mask"):
-        why = ("packed samples and document masks (dataloader.train.packing / document_mask) need block-causal masks "
-               "over the whole sequence; turn them off")
-    elif cfg.get("distill") is not None:
+    data = cfg.dataloader.train
+    if cfg.get("distill") is not None:
         why = "distillation's teacher is not split by sequence; train the student without the distill section"
+    elif (data.get("packing") or data.get("document_mask")) and any(isinstance(m, MLA) for m in model.modules()):
+        why = ("multi-head latent attention (DeepSeek-V3) gathers its own latents under context parallelism and "
+               "masks by position only, not by the documents of packed samples (dataloader.train.packing / "
+               "document_mask); turn those off")
     elif model.delta_info is not None and set(model.delta_info.kinds) & {"PrefixTuning",
                                                                                              "PromptTuning"}:
         why = (f"{' and '.join(sorted(set(model.delta_info.kinds) & {'PrefixTuning', 'PromptTuning'}))} add tokens to "

@@ -10,9 +10,10 @@ chunks: no rank idles on a mostly masked block. With T = 8, cp = 2 (chunks of 2)
     rank     0   | 1   | 1   | 0        rank 0 holds 0 1 6 7, rank 1 holds 2 3 4 5
 
 Everything per token is split this way before the model sees it (:meth:`ContextParallel.shard_batch`: input
-ids, labels, padding masks and the *global* position ids, so learned and rotary positions are those of one
-device); everything per sample or per weight is untouched. Parameters are the same on every cp rank; the
-gradients of the cp ranks' tokens are averaged with data parallelism's (the trainer's data axis is dp x cp,
+ids, labels, padding masks and the position ids of the whole sequence - the data's, restarting at each packed
+document, or else the model's defaults - so learned and rotary positions are those of one device); everything
+per sample or per weight is untouched. Parameters are the same on every cp rank; the gradients of the cp ranks'
+tokens are averaged with data parallelism's (the trainer's data axis is dp x cp,
 :class:`~dufu.parallel.parallel_dims.ParallelDims`), which with the trainer's loss weights is the gradient of
 the mean over the global batch's targets.
 
@@ -41,6 +42,40 @@ Ulysses, and hierarchical queries keep their chunks' ids (:meth:`ContextParallel
 mask. Grouped-query K and V whose heads A does not divide are repeated to lcm(nkv, A) heads before the all-to-all
 (their gradients summed back), so every rank gets the K/V heads of its query heads.
 
+Packed documents (``dataloader.train.packing``, ``document_mask``: position ids that restart at every document,
+:mod:`dufu.data.packing`). On one device the model turns the breaks in its ``position_ids`` into a block-causal
+mask (:func:`dufu.layers.attention.document_mask`): query t sees key s iff s <= t and doc(s) = doc(t). A rank
+cannot find the breaks in its own tokens (a document may start exactly at a chunk's first token, or span the
+chunks of other ranks), so :meth:`ContextParallel.shard_batch` numbers the documents on the whole (B, T) batch
+before it splits anything (:func:`document_numbers`, the rule of ``document_mask``): the data's position ids
+stay the model's positions (the rotary angles and learned positions of one device, relative to each document),
+and the document numbers travel as the batch's ``attention_mask`` - the one per-token input that every model
+hands unchanged to every attention layer and that a pipeline schedule splits into micro-batches with the rows.
+Both are cut by the token index like the rest. A (B, T) ``attention_mask`` under context parallelism is so read
+as document numbers: k >= 1 a token of document k of its row, -k a padding token inside document k, 0 a padding
+token before any document; a 0/1 padding mask is the case of one document per row, with the numbers (and the
+SDPA masks built from them) of before. Attention all-gathers the numbers with K and V and builds each query
+chunk's (chunk x keys) mask as ``s <= t and doc(s) = |doc(t)| > 0`` (a padding query t sees its document's
+keys, as with ``document_mask``), on SDPA's masked path in every mode (all-gather, Ulysses, hierarchical): the
+mask-free kernel (:class:`_CausalChunks`) knows causality only. A batch whose rows are one document each keeps
+its mask-free path, as ``document_mask`` keeps plain causal attention on one device. The targets need nothing:
+``shift_labels`` are already each token's next-token id (a packed sample's last one its end-of-document token, the
+padding's -100), so cut by the same index they stay with their tokens; no rank shifts anything.
+
+Load balance with documents (tests/parallel/test_context_parallel.py::test_zig_zag_chunks_balance_packed_documents_
+within_bounds). A token's causal work is now the number of keys before it in its own document, not its global
+position, so the zig-zag chunks of the row no longer split it evenly. On llama_sft's packed rows (1024 tokens,
+1-3 samples and a padding document) the busiest rank holds, against the mean, at cp 2 1.48 times at worst and
+1.22 on average per row (1.21 over micro-batches of 2 rows), at cp 4 2.12 and 1.53; Megatron's THD layout,
+each document cut into 2 cp zig-zag chunks of its own (padded to a multiple of 2 cp), would hold 1.01 and 1.03.
+dufu keeps the zig-zag chunks of the row all the same, because that document work is what a kernel that skips
+masked blocks does (FlexAttention, varlen FlashAttention), and no such kernel trains here: the masked SDPA that
+runs computes every (chunk x keys up to its end) block, so every rank computes 2 cp + 1 chunk-blocks per head
+and row whatever the documents - balanced exactly. A per-document (or striped) layout scatters each rank's
+tokens over the whole row, so that path would have to compute its (T/cp x T) queries x keys in full, 2 cp / (cp +
+1/2) times the zig-zag's blocks (1.6 at cp 2), and pad the batch. It is the step to take with a block-skipping
+kernel on a GPU, where the 1.2-1.5 above is what it would win.
+
 Kernels. Causal attention without a padding mask, bias or dropout (every decoder's training step) runs
 mask-free on every device :func:`causal_kernel` names (:class:`_CausalChunks`): each query chunk ``a`` makes
 two calls of a fused kernel that returns its log-sum-exp, one over the chunks before it (no mask) and one over
@@ -65,9 +100,8 @@ territory and left out.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import math
-from typing import Callable, Optional, Union
+from typing import Callable, Optional
 
 import torch
 import torch.distributed._functional_collectives as funcol
@@ -75,6 +109,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dufu.layers.attention import Attention
+from dufu.parallel.context_kernels import _CausalChunks, _usable_on_this_gpu, causal_kernel
 from dufu.models.base import contract_of
 from dufu.torch_versions import has_single_functional_collectives
 
@@ -154,24 +189,38 @@ class ContextParallel:
 
     # ------------------------------------------------------------------------------------------------ batches
     def shard_batch(self, inputs: dict) -> dict:
-        """This rank's share of a batch: every (B, T, ...) tensor cut to the rank's tokens, and global
-        ``position_ids`` added (the model's own default positions, computed on the whole sequence)."""
+        """This rank's share of a batch: every (B, T, ...) tensor cut to the rank's tokens, and ``position_ids``:
+        the data's (packed documents: restarting at each) or else the model's own default positions, computed on
+        the whole sequence. Documents (position ids that restart inside a row) are numbered on the whole batch
+        first and given as the ``attention_mask`` (:func:`document_numbers`; see the module docstring)."""
         ids = inputs.get("input_ids")
         if ids is None or ids.dim() != 2:
             raise ValueError("context parallelism splits token sequences: the batch has no (B, T) input_ids "
                              f"(keys: {sorted(inputs)}); train this data with train.dist.context_parallel_size=1")
-        T = ids.shape[1]
+        B, T = ids.shape
         labels = inputs.get("labels")
         if labels is not None and labels.dim() == 1:
             raise ValueError("context parallelism cannot split a sequence-classification batch (one label per "
                              "sample, read from a token only one rank holds); use train.dist.context_parallel_size=1")
-        if "position_ids" in inputs:
-            raise ValueError("context parallelism takes no position_ids from the data (packed samples and document "
-                             "masks are not supported with it): turn dataloader.train.packing and document_mask off")
         out = dict(inputs)
-        positions = self.positions(ids) if self.positions is not None else torch.arange(T, device=ids.device)[None]
-        # (B, T), global; one row per sample, so a pipeline schedule splits it into micro-batches with the rest
-        out["position_ids"] = positions.expand(ids.shape[0], T)
+        positions = inputs.get("position_ids")
+        if positions is not None:  # the data's: each packed sample or document counts from 0
+            if positions.shape[-1] != T or positions.dim() > 2:
+                raise ValueError(f"context parallelism takes position_ids of shape (B|1, {T}) beside input_ids "
+                                 f"{tuple(ids.shape)}, got {tuple(positions.shape)}")
+            mask = inputs.get("attention_mask")
+            if mask is not None and tuple(mask.shape) != (B, T):
+                raise ValueError(f"context parallelism combines position_ids with a ({B}, {T}) padding mask only, "
+                                 f"got attention_mask {tuple(mask.shape)}")
+            docs = document_numbers(positions.reshape(-1, T), mask)
+            if docs is not None:  # (B|1, T), global: numbered before the split
+                out["attention_mask"] = docs.expand(B, T)
+        elif self.positions is not None:
+            positions = self.positions(ids)
+        else:
+            positions = torch.arange(T, device=ids.device)[None]
+        # (B, T); one row per sample, so a pipeline schedule splits it into micro-batches with the rest
+        out["position_ids"] = positions.reshape(-1, T).expand(B, T)
         index = self.token_index(T, ids.device)
         for key, value in out.items():
             if torch.is_tensor(value) and value.dim() >= 2 and value.shape[1] == T:
@@ -222,77 +271,82 @@ class ContextParallel:
         """Attention of this rank's queries q (B, nh, T/cp, hs) over the whole sequence, from this rank's keys and
         values (B, nkv, T/cp, hs); ``attention_mask``: this rank's part of a (B, T) padding mask (1 = token) or of
         an additive (B|1, 1|nh, 1, T) bias, or None. ``enable_gqa``: nkv < nh (read from the shapes here, which
-        an all-to-all of heads changes)."""
+        an all-to-all of heads changes). A (B, T) mask holds document numbers (packed documents, from
+        :meth:`shard_batch`) or is a 0/1 padding mask (one document), :func:`document_numbers`."""
         A = self.a2a_size
         if A == 1:
             k, v = self.gather_all((k, v), 2)  # (B, nkv, T, hs)
-            keep, bias = self._whole_mask(attention_mask, q.dtype)
-            return self._chunked(q, k, v, keep, bias, causal, scale, dropout_p, self.chunk_ids())
+            docs, bias = self._whole_mask(attention_mask, q.dtype)
+            return self._chunked(q, k, v, docs, bias, causal, scale, dropout_p, self.chunk_ids())
         if q.shape[1] % A:
             raise ValueError(f"an all-to-all over {A} context-parallel ranks splits the {q.shape[1]} query heads of "
                              f"this rank {A} ways, which is not whole (dufu.parallel.checks refuses this at start-up)")
         m = math.lcm(k.shape[1], A)  # K/V heads every rank can take its share of, and that divide nh
         k, v = (t.repeat_interleave(m // t.shape[1], dim=1) if m != t.shape[1] else t for t in (k, v))
         q, k, v = self.heads_for_sequence((q, k, v))  # (B, nh/A, A T/cp, hs), (B, m/A, A T/cp, hs)
-        keep, bias = self._whole_mask(attention_mask, q.dtype)
+        docs, bias = self._whole_mask(attention_mask, q.dtype)
         if bias is not None and bias.shape[1] > 1:  # a bias per head: this rank's heads after the all-to-all
             bias = bias.unflatten(1, (A, -1))[:, self.rank % A]
         if A == self.size:  # Ulysses: whole sequences, put in sequence order, attended as on one device
             T = q.shape[2]
             order = self.global_order(T, q.device)
             q, k, v = (t.index_select(2, order) for t in (q, k, v))  # (B, h, T, hs)
-            if causal and keep is None and bias is None:
+            if causal and docs is None and bias is None:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, dropout_p=dropout_p,
                                                    enable_gqa=q.shape[1] != k.shape[1])
             else:
-                y = self._masked(q, k, v, keep, bias, causal, scale, dropout_p, (0,))
+                y = self._masked(q, k, v, docs, bias, causal, scale, dropout_p, (0,))
             y = y.index_select(2, self.rank_order(T, q.device))  # (B, nh/A, T, hs) in rank order
         else:  # hierarchical: the other groups' K/V gathered, the group's queries keep their chunks' ids
             k, v = self.gather_all((k, v), 2, group=self.gather_group)  # (B, m/A, T, hs)
-            y = self._chunked(q, k, v, keep, bias, causal, scale, dropout_p, self.query_chunk_ids())
+            y = self._chunked(q, k, v, docs, bias, causal, scale, dropout_p, self.query_chunk_ids())
         return self.sequence_for_heads(y)  # (B, nh, T/cp, hs)
 
     def _whole_mask(self, attention_mask, dtype) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
-        """(keep, bias) of the whole sequence from this rank's part of a padding mask or an additive bias."""
-        keep = bias = None
+        """(docs, bias) of the whole sequence from this rank's part of a (B, T) mask of document numbers (a 0/1
+        padding mask: one document, :func:`document_numbers`) or of an additive bias."""
+        docs = bias = None
         if attention_mask is not None:
             if attention_mask.dim() == 2:
-                keep = self.gather(attention_mask.detach(), 1).to(torch.bool)[:, None, None, :]  # (B, 1, 1, T)
+                docs = self.gather(attention_mask.detach(), 1).long()  # (B, T) in sequence order
             elif attention_mask.dtype != torch.bool and attention_mask.shape[-2] == 1:
                 bias = self.gather(attention_mask, attention_mask.dim() - 1).to(dtype)  # (B|1, 1|nh, 1, T)
             else:
-                raise ValueError(f"context parallelism takes a (B, T) padding mask or a (B, 1, 1, T) bias, got an "
-                                 f"attention mask of shape {tuple(attention_mask.shape)} (document masks and "
-                                 "query-dependent biases are not supported with it)")
-        return keep, bias
+                raise ValueError(f"context parallelism takes a (B, T) padding mask (or the document numbers its "
+                                 f"shard_batch gives packed documents) or a (B, 1, 1, T) bias, got an attention mask "
+                                 f"of shape {tuple(attention_mask.shape)} (a (B, 1, T, T) document mask is built by "
+                                 "the attention itself under it; query-dependent biases are not supported)")
+        return docs, bias
 
-    def _chunked(self, q, k, v, keep, bias, causal: bool, scale, dropout_p: float, ids) -> torch.Tensor:
+    def _chunked(self, q, k, v, docs, bias, causal: bool, scale, dropout_p: float, ids) -> torch.Tensor:
         """Attention of queries q (B, nh, n c, hs), the chunks ``ids`` (c tokens each) in that order, over the
-        whole sequence's keys and values (B, nkv, T, hs) in sequence order."""
+        whole sequence's keys and values (B, nkv, T, hs) in sequence order; ``docs`` (B, T): the sequence's
+        document numbers (or padding mask), or None."""
         kernel = None
-        if causal and keep is None and bias is None and dropout_p == 0.0:
+        if causal and docs is None and bias is None and dropout_p == 0.0:
             kernel = causal_kernel(self.device_type or q.device.type, q.dtype)
         if kernel is not None and q.is_cuda:
             kernel = _usable_on_this_gpu(kernel, q, k, v)
         if kernel is not None:  # grouped-query K/V (fewer heads than q) are repeated inside, per call
             return _CausalChunks.apply(q, k, v, tuple(ids), scale, kernel)
-        return self._masked(q, k, v, keep, bias, causal, scale, dropout_p, ids)
+        return self._masked(q, k, v, docs, bias, causal, scale, dropout_p, ids)
 
     @staticmethod
-    def _masked(q, k, v, keep, bias, causal: bool, scale, dropout_p: float, ids) -> torch.Tensor:
+    def _masked(q, k, v, docs, bias, causal: bool, scale, dropout_p: float, ids) -> torch.Tensor:
         """:meth:`_chunked` with a (chunk x keys) mask per query chunk and SDPA (any mask, dropout, device); chunk
-        ``a`` of c tokens sees the keys up to its end. One chunk of id 0 is a whole sequence in order."""
+        ``a`` of c tokens sees the keys up to its end (of its document, :func:`document_keep`). One chunk of id 0
+        is a whole sequence in order."""
         kw = dict(scale=scale, dropout_p=dropout_p, enable_gqa=q.shape[1] != k.shape[1])
-        if not causal:
-            mask = keep if keep is not None else bias
+        if not causal:  # bidirectional: every token of the row (a bidirectional model has no document masks)
+            mask = (docs > 0)[:, None, None, :] if docs is not None else bias  # (B, 1, 1, T)
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, **kw)
         c, out = q.shape[2] // len(ids), []
         for j, a in enumerate(ids):
             end = (a + 1) * c  # chunk a sees keys 0 .. end-1 (the chunks before it and itself, causally)
             qi = torch.arange(a * c, end, device=q.device)[:, None]  # (c, 1) global query positions
             m = torch.arange(end, device=q.device)[None, :] <= qi  # (c, end): causal, bottom-right aligned
-            if keep is not None:
-                m = m & keep[..., :end]  # (B, 1, c, end)
+            if docs is not None:  # (B, 1, c, end): the same document, keys that are tokens
+                m = m & document_keep(docs[:, None, a * c:end, None], docs[:, None, None, :end])
             mask = m if bias is None else torch.zeros(m.shape, dtype=q.dtype, device=q.device).masked_fill(
                 ~m, torch.finfo(q.dtype).min) + bias[..., :end]
             out.append(F.scaled_dot_product_attention(q[:, :, j * c:(j + 1) * c], k[:, :, :end], v[:, :, :end],
@@ -300,181 +354,44 @@ class ContextParallel:
         return torch.cat(out, dim=2)  # (B, nh, n c, hs)
 
 
-# ---------------------------------------------------------------------------------------------------- kernels
-Op = Union[str, Callable]  # an aten op's name, or (tests) a stand-in with its signature
-
-
-@dataclasses.dataclass(frozen=True)
-class FusedAttention:
-    """A fused attention kernel of torch that returns its log-sum-exp, and its backward: the two calls
-    :class:`_CausalChunks` makes per query chunk. ``forward(q, k, v, causal, scale)`` gives the output
-    (B, nh, M, hs), the log-sum-exp (B, nh, M) in fp32 and the kernel's state for its backward;
-    ``backward(grad, q, k, v, out, lse, state, causal, scale)`` gives dq, dk, dv. Dropout is always 0.
-    ``forward_op``/``backward_op``: names in ``torch.ops.aten``, or a test's stand-ins of the same signature."""
-
-    name: str
-    forward_op: Op
-    backward_op: Op
-
-    def op(self, which: Op) -> Callable:
-        return getattr(torch.ops.aten, which) if isinstance(which, str) else which
-
-    def forward(self, q, k, v, causal: bool, scale):
-        o, lse = self.op(self.forward_op)(q, k, v, 0.0, causal, scale=scale)
-        return o, lse, ()
-
-    def backward(self, grad, q, k, v, out, lse, state, causal: bool, scale):
-        return self.op(self.backward_op)(grad, q, k, v, out, lse, 0.0, causal, scale=scale)[:3]
-
-
-class _CudaFlash(FusedAttention):
-    """FlashAttention on CUDA: its backward takes the forward's sequence bookkeeping and RNG state back.
-    Unverified here (no GPU); the arguments follow the ops' schemas in torch 2.11 and 2.13."""
-
-    def forward(self, q, k, v, causal: bool, scale):
-        o, lse, cum_q, cum_k, max_q, max_k, seed, offset, _ = self.op(self.forward_op)(
-            q, k, v, 0.0, causal, False, scale=scale)
-        return o, lse, (cum_q, cum_k, max_q, max_k, seed, offset)
-
-    def backward(self, grad, q, k, v, out, lse, state, causal: bool, scale):
-        cum_q, cum_k, max_q, max_k, seed, offset = state
-        return self.op(self.backward_op)(grad, q, k, v, out, lse, cum_q, cum_k, max_q, max_k, 0.0, causal, seed,
-                                         offset, scale=scale)[:3]
-
-
-class _CudaEfficient(FusedAttention):
-    """The memory-efficient kernel on CUDA: its log-sum-exp rows are padded to a multiple of 32 (so cut to the
-    queries for the merge and padded back for its backward). Unverified here (no GPU)."""
-
-    def forward(self, q, k, v, causal: bool, scale):
-        o, lse, seed, offset = self.op(self.forward_op)(q, k, v, None, True, 0.0, causal, scale=scale)
-        return o, lse[..., :q.shape[2]], (seed, offset, lse.shape[-1])
-
-    def backward(self, grad, q, k, v, out, lse, state, causal: bool, scale):
-        seed, offset, width = state
-        lse = F.pad(lse, (0, width - lse.shape[-1])).contiguous()  # (B, nh, width): the forward's layout
-        return self.op(self.backward_op)(grad, q, k, v, None, out, lse, seed, offset, 0.0, [True, True, True, False],
-                                         causal, scale=scale)[:3]
-
-
-CPU_FLASH = FusedAttention("cpu-flash", "_scaled_dot_product_flash_attention_for_cpu",
-                           "_scaled_dot_product_flash_attention_for_cpu_backward")
-CUDA_FLASH = _CudaFlash("cuda-flash", "_scaled_dot_product_flash_attention",
-                        "_scaled_dot_product_flash_attention_backward")
-CUDA_EFFICIENT = _CudaEfficient("cuda-efficient", "_scaled_dot_product_efficient_attention",
-                                "_scaled_dot_product_efficient_attention_backward")
-
-
-def causal_kernel(device_type: str, dtype: torch.dtype) -> Optional[FusedAttention]:
-    """The fused kernel of mask-free causal attention on ``device_type`` for ``dtype``, or None (the masked path):
-
-    =======  ====================  ===================================================================
-    device   dtype                 kernel
-    =======  ====================  ===================================================================
-    cpu      any                   ``_scaled_dot_product_flash_attention_for_cpu`` (:data:`CPU_FLASH`)
-    cuda     float16, bfloat16     ``_scaled_dot_product_flash_attention`` (:data:`CUDA_FLASH`)
-    cuda     float32 (and others)  ``_scaled_dot_product_efficient_attention`` (:data:`CUDA_EFFICIENT`)
-    other    any                   None
-    =======  ====================  ===================================================================
-
-    FlashAttention takes half precision only; fp32 on CUDA takes the memory-efficient kernel. On a real GPU
-    :func:`_usable_on_this_gpu` may still step down (flash -> efficient -> masked) where torch says the inputs or
-    the GPU do not suit a kernel."""
-    if device_type == "cpu":
-        return CPU_FLASH
-    if device_type == "cuda":
-        return CUDA_FLASH if dtype in (torch.float16, torch.bfloat16) else CUDA_EFFICIENT
-    return None
-
-
-def _usable_on_this_gpu(kernel: FusedAttention, q, k, v) -> Optional[FusedAttention]:
-    """``kernel`` or the next one down that torch's own SDPA dispatch checks accept for these CUDA tensors (GPU
-    generation, head size, dtype, kernels switched off with ``torch.backends.cuda.enable_*_sdp``), or None for the
-    masked path. Unverified here (no GPU). The kernels see K and V repeated to the query heads (_CausalChunks), so
-    the checks do too (a stride-0 view); the raw ops want a head size that is a multiple of 8, which SDPA pads to."""
-    if q.shape[-1] % 8:
+# ---------------------------------------------------------------------------------------------------- documents
+def document_numbers(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+                     ) -> Optional[torch.Tensor]:
+    """The documents of whole rows (B|1, T) as numbers, or None where every row is one document (one device then
+    keeps plain causal attention, and so does context parallelism). The breaks are those of
+    :func:`dufu.layers.attention.document_mask`: a token starts a document where its position does not continue
+    the previous real token's (``attention_mask`` (B, T), 1 = token). Token t of document k (counted from 1 in its
+    row) gets k, a padding token inside document k gets -k, padding before the first document 0; then query t may
+    attend to key s iff s <= t and doc(s) = |doc(t)| > 0, which is ``document_mask``'s mask (a test holds the two
+    equal). Written here rather than read from the (B, 1, T, T) mask ``document_mask`` returns: a rank needs the
+    numbers of its own tokens, T of them per row, not a mask quadratic in T."""
+    if attention_mask is None:
+        starts = F.pad(position_ids[:, 1:] != position_ids[:, :-1] + 1, (1, 0), value=True)  # (B|1, T)
+        real = None
+    else:
+        real = attention_mask.to(torch.bool)  # (B, T)
+        T = real.shape[-1]
+        position_ids = position_ids.expand(real.shape[0], T)
+        index = torch.arange(T, device=real.device).expand_as(real)
+        last_real = torch.where(real, index, -1).cummax(-1).values  # (B, T): latest real token at or before t
+        before = F.pad(last_real[:, :-1], (1, 0), value=-1)  # latest real token before t (-1: none)
+        continued = position_ids.gather(-1, before.clamp(min=0)) + 1 == position_ids
+        starts = real & ((before < 0) | ~continued)  # (B, T)
+    if bool((starts.sum(-1) <= 1).all()):  # one document per row (its first token at most starts one)
         return None
-    k, v = (t[:, :1].expand(-1, q.shape[1], -1, -1) for t in (k, v))  # (B, nh, T, hs), no copy
-    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, False)
-    if kernel is CUDA_FLASH and torch.backends.cuda.can_use_flash_attention(params):
-        return kernel
-    return CUDA_EFFICIENT if torch.backends.cuda.can_use_efficient_attention(params) else None
+    doc = starts.long().cumsum(-1)  # (B|1, T): 1, 2, .. in each row
+    return doc if real is None else torch.where(real, doc, -doc)
 
 
-class _CausalChunks(torch.autograd.Function):
-    """Causal attention of the rank's query chunks (chunk ids ``a``: its own two, or under the hierarchical mode
-    its all-to-all group's 2 A) over the gathered keys, without a mask:
-    each chunk attends to the keys before it (no mask) and to its own chunk (square, causal), two calls of a
-    fused ``kernel`` (:class:`FusedAttention`) whose outputs merge by their log-sum-exps; the backward runs each
-    call's kernel backward with the merged output and log-sum-exp, which gives each part's exact gradients (the
-    merge of ring attention, Liu et al. 2023). Why: a (chunk x keys) mask, which SDPA would otherwise need for a
-    causal mask not aligned to the top-left, is (2cp+1)(T/2cp)^2 values that each layer keeps for its backward
-    (benchmarks/context_parallel.py measured them at 83% of a rank's saved activations at T = 16K), and the
-    kernel then skips no masked block. The same code runs every device's kernel (:func:`causal_kernel`).
-    Grouped-query K and V (nkv < nh heads) are saved as they are and repeated to nh heads for each kernel call,
-    forward and backward (their gradients summed back over each group, as ``repeat_interleave``'s backward does):
-    the repeated copies live during the forward and again during the backward, not in between."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, chunk_ids, scale, kernel: FusedAttention):
-        c = q.shape[2] // len(chunk_ids)
-        kv = (k, v)  # (B, nkv, T, hs) as gathered: what is saved
-        k, v = _repeated(k, q), _repeated(v, q)  # (B, nh, T, hs)
-        outs, lses, states = [], [], []
-        for j, a in enumerate(chunk_ids):
-            qj = q[:, :, j * c:(j + 1) * c]
-            o, lse, own = kernel.forward(qj, k[:, :, a * c:(a + 1) * c], v[:, :, a * c:(a + 1) * c], True, scale)
-            past = None
-            if a > 0:  # the chunks before: every key visible
-                o_past, lse_past, past = kernel.forward(qj, k[:, :, :a * c], v[:, :, :a * c], False, scale)
-                merged = torch.logaddexp(lse, lse_past)  # (B, nh, c), fp32 (fp64 for fp64)
-                acc = torch.promote_types(q.dtype, torch.float32)  # half precision merges in fp32
-                o = ((lse - merged).exp()[..., None] * o.to(acc)
-                     + (lse_past - merged).exp()[..., None] * o_past.to(acc)).to(q.dtype)
-                lse = merged
-            outs.append(o)
-            lses.append(lse)
-            states.append((own, past))
-        ctx.chunk_ids, ctx.scale, ctx.kernel, ctx.states = tuple(chunk_ids), scale, kernel, states
-        ctx.save_for_backward(q, *kv, *outs, *lses)
-        return torch.cat(outs, dim=2)  # (B, nh, n c, hs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        kernel, scale, n = ctx.kernel, ctx.scale, len(ctx.chunk_ids)
-        q, k0, v0, *rest = ctx.saved_tensors
-        outs, lses = rest[:n], rest[n:]
-        c = q.shape[2] // n
-        k, v = _repeated(k0, q), _repeated(v0, q)  # (B, nh, T, hs)
-        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for j, (a, o, lse, (own_state, past_state)) in enumerate(zip(ctx.chunk_ids, outs, lses, ctx.states)):
-            rows = slice(j * c, (j + 1) * c)
-            g, qj = grad[:, :, rows].contiguous(), q[:, :, rows]
-            own = slice(a * c, (a + 1) * c)
-            gq, gk, gv = kernel.backward(g, qj, k[:, :, own], v[:, :, own], o, lse, own_state, True, scale)
-            dq[:, :, rows] += gq
-            dk[:, :, own] += gk
-            dv[:, :, own] += gv
-            if a > 0:
-                past = slice(0, a * c)
-                gq, gk, gv = kernel.backward(g, qj, k[:, :, past], v[:, :, past], o, lse, past_state, False, scale)
-                dq[:, :, rows] += gq
-                dk[:, :, past] += gk
-                dv[:, :, past] += gv
-        return dq, _summed(dk, k0), _summed(dv, v0), None, None, None
+def document_keep(docs_q: torch.Tensor, docs_k: torch.Tensor) -> torch.Tensor:
+    """Which keys each query may see by their document numbers (:func:`document_numbers`; a 0/1 padding mask is
+    one document): (B, 1, M, 1) queries' and (B, 1, 1, S) keys' numbers -> (B, 1, M, S), causality not included.
+    A key must be a token (> 0); a token query sees its own document's, a padding query (-k) that of document k,
+    and a padding query before any document (0) every token, as a padding mask alone lets it."""
+    return (docs_k > 0) & ((docs_q.abs() == docs_k) | (docs_q == 0))
 
 
-def _repeated(t: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """Grouped-query K or V (B, nkv, T, hs) repeated to q's nh heads (each K/V head serves nh / nkv queries)."""
-    return t if t.shape[1] == q.shape[1] else t.repeat_interleave(q.shape[1] // t.shape[1], dim=1)
-
-
-def _summed(grad: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
-    """The gradient of :func:`_repeated`: (B, nh, T, hs) summed over each group back to t's (B, nkv, T, hs)."""
-    return grad if grad.shape[1] == t.shape[1] else grad.unflatten(1, (t.shape[1], -1)).sum(2)
-
-
-# ---------------------------------------------------------------------------------------------------- gather
+# ---------------------------------------------------------------------------------------------------- kernels
 class _GatherSequence(torch.autograd.Function):
     """All-gather of each tensor of ``xs`` along ``dim`` (ranks' parts in rank order); backward: reduce-scatter of
     each gradient, so each rank gets the sum over all ranks' uses of its own part. Every collective is issued

@@ -1,11 +1,13 @@
 """Context parallelism's parts: the load-balanced layout, splitting a batch, the mask-free causal kernel of each device
 (its merge and backward against plain causal attention, the CUDA kernels' plumbing on stand-ins and meta tensors), K
 and V in flight together, attention over the gathered keys and values against one device (several processes), the
-all-to-all modes (Ulysses, hierarchical) against one device with every rank a thread of this process, and the
-start-up refusals with their arithmetic."""
+all-to-all modes (Ulysses, hierarchical) against one device with every rank a thread of this process, packed
+documents (numbered before the split, their masks in every mode, whole models against one device, the load
+balance of the zig-zag chunks on llama_sft's packed rows), and the start-up refusals with their arithmetic."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import threading
@@ -15,11 +17,16 @@ import torch
 import torch.nn.functional as F
 
 import launch
+from dufu.data.sft import build_sft_datasets
+from dufu.data.tokenizer import build_tokenizer
 from dufu.engine.preflight import preflight
 from dufu.errors import LayoutError
+from dufu.layers.attention import document_mask
+from dufu.models.gpt.model import GPTModel
+from dufu.models.llama import LlamaModel
 from dufu.parallel import context_parallel
-from dufu.parallel.context_parallel import (CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, ContextParallel, _CausalChunks,
-                                           causal_kernel)
+from dufu.parallel.context_kernels import CPU_FLASH, CUDA_EFFICIENT, CUDA_FLASH, _CausalChunks, causal_kernel
+from dufu.parallel.context_parallel import ContextParallel, apply_context_parallel, document_keep, document_numbers
 from dufu.parallel.parallel_dims import ParallelDims
 from dufu_testing import load_config
 
@@ -62,14 +69,58 @@ def test_shard_batch_splits_every_token_tensor_and_adds_global_positions():
 @pytest.mark.parametrize("inputs, fragment", [
     ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "labels": torch.zeros(2, dtype=torch.long)},
      "sequence-classification"),
-    ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.zeros(1, 8, dtype=torch.long)},
-     "packing and document_mask off"),
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.zeros(1, 6, dtype=torch.long)},
+     "position_ids of shape (B|1, 8)"),
+    ({"input_ids": torch.zeros(2, 8, dtype=torch.long), "position_ids": torch.zeros(1, 8, dtype=torch.long),
+      "attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)}, "a (2, 8) padding mask only"),
     ({"pixel_values": torch.zeros(2, 3, 8, 8)}, "no (B, T) input_ids"),
 ])
 def test_batches_context_parallelism_cannot_split_are_refused(inputs, fragment):
     with pytest.raises(ValueError, match="context") as info:
         ContextParallel(None, 2, 0).shard_batch(inputs)
     assert fragment in str(info.value)
+
+
+def test_shard_batch_numbers_documents_on_the_whole_rows_before_the_split():
+    """Packed rows: the data's position ids (restarting at each document) are kept and cut, and the documents,
+    numbered on the whole row (a rank could not tell that its token 6 starts a document), travel as the
+    attention_mask; rows of one document each keep the plain causal path (no mask)."""
+    positions = torch.tensor([[0, 1, 2, 0, 1, 2, 3, 0], [0, 1, 2, 3, 4, 5, 0, 1]])
+    ids = torch.arange(16).view(2, 8)
+    got = [ContextParallel(None, 2, r).shard_batch({"input_ids": ids, "position_ids": positions}) for r in range(2)]
+    assert got[0]["position_ids"].tolist() == [[0, 1, 3, 0], [0, 1, 0, 1]]  # tokens 0 1 6 7
+    assert got[1]["position_ids"].tolist() == [[2, 0, 1, 2], [2, 3, 4, 5]]  # tokens 2 3 4 5
+    assert got[0]["attention_mask"].tolist() == [[1, 1, 2, 3], [1, 1, 2, 2]]
+    assert got[1]["attention_mask"].tolist() == [[1, 2, 2, 2], [1, 1, 1, 1]]
+    one_each = ContextParallel(None, 2, 0).shard_batch({"input_ids": ids, "position_ids": torch.arange(8)[None] + 3})
+    assert "attention_mask" not in one_each and one_each["position_ids"].tolist() == [[3, 4, 9, 10]] * 2
+    padded = torch.tensor([[1, 1, 1, 0, 1, 1, 1, 1], [1] * 8])  # token 3 padding inside document 1 of row 0
+    got = ContextParallel(None, 2, 1).shard_batch({"input_ids": ids, "position_ids": positions,
+                                                   "attention_mask": padded})
+    assert got["attention_mask"].tolist() == [[1, -1, 2, 2], [1, 1, 1, 1]]
+
+
+def test_document_numbers_give_one_devices_document_mask():
+    """The numbers' mask (causal, document_keep) equals dufu.layers.attention.document_mask wherever that builds
+    one: random packed rows, with and without padding (inside documents, leading, trailing)."""
+    g = torch.Generator().manual_seed(0)
+    T = 24
+    for trial in range(20):
+        rows = []
+        for _ in range(3):
+            cuts = sorted(torch.randperm(T - 1, generator=g)[:int(torch.randint(1, 5, (1,), generator=g))] + 1)
+            edges = [0, *[int(c) for c in cuts], T]
+            rows.append(torch.cat([torch.arange(b - a) + (0 if i else 2) for i, (a, b) in
+                                   enumerate(zip(edges, edges[1:]))]))
+        positions = torch.stack(rows)
+        padding = (torch.rand(3, T, generator=g) > 0.2).long() if trial % 2 else None
+        expected = document_mask(positions, padding)
+        docs = document_numbers(positions, padding)
+        if docs is None:
+            assert not (torch.is_tensor(expected) and expected.dim() == 4)
+            continue
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        assert torch.equal(causal & document_keep(docs[:, None, :, None], docs[:, None, None, :]), expected)
 
 
 def test_an_all_to_all_groups_queries_are_its_members_chunks_in_member_order():
@@ -178,7 +229,19 @@ EXCHANGES = {
     "hierarchical-2x2-padding": (4, 2, True, 4, 2, "padding"),
     "hierarchical-2x2-bidirectional-padding": (4, 2, False, 4, 4, "padding"),
     "all-gather-cp4": (4, 1, True, 4, 2, None),
+    "all-gather-cp2-documents": (2, 1, True, 4, 2, "documents"),
+    "all-gather-cp4-documents-padding": (4, 1, True, 4, 4, "documents-padding"),
+    "ulysses-cp2-documents": (2, 2, True, 4, 2, "documents"),
+    "ulysses-cp4-documents-padding": (4, 4, True, 4, 1, "documents-padding"),
+    "hierarchical-2x2-documents": (4, 2, True, 4, 2, "documents"),
 }
+
+
+def packed_positions(B: int, T: int) -> torch.Tensor:
+    """(B, T) position ids of packed rows: row 0 documents of 3, 5 (ending at a chunk's end for chunks of 4) and
+    T - 8 tokens; row 1 a one-token document, T - 2, and one token (a break at every rank)."""
+    rows = [[3, 5, T - 8], [1, T - 2, 1]]
+    return torch.stack([torch.cat([torch.arange(n) for n in rows[b % 2]]) for b in range(B)])
 
 
 @pytest.mark.parametrize("case", list(EXCHANGES))
@@ -207,6 +270,11 @@ def test_all_to_all_modes_equal_one_device(case, monkeypatch):
     elif kind == "head-bias":
         mask = torch.randn(1, nh, 1, T, dtype=torch.float64)  # additive, one row per head
         ref_mask = mask
+    elif kind is not None:  # packed documents: numbered on the whole rows, as shard_batch does
+        positions, padding = packed_positions(B, T), (keep.long() if kind == "documents-padding" else None)
+        mask = document_numbers(positions, padding)  # (B, T)
+        ref_mask = document_mask(positions, padding)  # (B, 1, T, T), one device's
+        assert mask is not None and ref_mask.shape == (B, 1, T, T)
     gqa = nkv != nh
     if mask is None:
         ref = SDPA(q, k, v, is_causal=causal, enable_gqa=gqa)
@@ -239,8 +307,6 @@ REFUSALS = {
     "swin": ("swin_debug", 2, [f"{CP}=2"], ["SwinForImageClassification cannot be split", "windows"]),
     "classification": ("bert_classify_debug", 2, [f"{CP}=2"], ["BertForSequenceClassification cannot be split"]),
     "moe": ("moe_debug", 2, [f"{CP}=2"], ["MoEModel cannot be split", "load-balancing loss"]),
-    "document-mask": ("llama_debug", 2, [f"{CP}=2", "dataloader.train.document_mask=True"],
-                ["packed samples and document masks", "context_parallel_size=1"]),
     "product": ("gpt_debug", 2, [f"{CP}=2", "train.dist.data_parallel_size=2"],
                 ["dp 2 x cp 2 x tp 1 x pp 1 = 4", "WORLD_SIZE is 2"]),
 }
@@ -255,6 +321,18 @@ def test_layouts_context_parallelism_cannot_take_fail_at_preflight(case, tmp_pat
     message = " ".join(str(info.value).split())
     for fragment in fragments:
         assert fragment in message, message
+
+
+@pytest.mark.parametrize("recipe, cp, mode", [("llama_debug", 2, []),
+                                              ("llama_debug", 2, ["train.dist.context_parallel_mode=all_to_all"]),
+                                              ("gpt_debug", 4, ["train.dist.context_parallel_mode=hierarchical",
+                                                                "train.dist.context_parallel_a2a_size=2"])])
+def test_document_masks_pass_preflight_under_context_parallelism(recipe, cp, mode, tmp_path):
+    """Documents (and packed samples: the same position ids) are no longer refused with context parallelism,
+    in any mode."""
+    cfg = load_config(recipe, [f"{CP}={cp}", "dataloader.train.document_mask=True", *mode,
+                               f"train.output_dir={tmp_path / 'run'}"])
+    preflight(cfg, world_size=cp)
 
 
 @pytest.mark.multiprocess
@@ -453,3 +531,113 @@ def test_grouped_query_kv_are_kept_unrepeated_with_the_numbers_of_repeating_outs
     assert torch.equal(y, y_out)
     for a, b in zip(torch.autograd.grad(y, (q, k, v), g), torch.autograd.grad(y_out, (q, k, v), g)):
         assert torch.equal(a, b)
+
+
+# ------------------------------------------------------------------------------------------------ packed documents
+def tiny_model(family: str):
+    """2 layers, hidden 64, vocab 256, fp64; LLaMA with rotary positions and grouped-query attention, GPT with
+    learned positions."""
+    torch.manual_seed(0)
+    if family == "llama":
+        model = LlamaModel(256, hidden_size=64, num_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           ffn_hidden_size=128, max_position_embeddings=64)
+    else:
+        model = GPTModel(256, hidden_size=64, num_layers=2, num_attention_heads=4, max_position_embeddings=64)
+    for p in model.parameters():  # a spread of weights, so that a wrong mask or position moves the numbers
+        p.data.normal_(0, 0.2)
+    return model.double()
+
+
+@pytest.mark.parametrize("family, a2a_size", [("llama", 1), ("llama", 2), ("gpt", 1)])
+def test_packed_rows_train_as_on_one_device(family, a2a_size, monkeypatch):
+    """A packed batch (documents cut at and between chunks, targets -100 at each document's end as packed SFT has
+    them) through a whole model at cp 2, each rank a thread with its copy of the model: the logits (so every
+    document's loss) and the summed weight gradients of the fp64 cross entropy equal one device's to 1e-10 (only
+    the order of sums differs), and the model's own loss (fp32 cross entropy, each rank's mean weighted by its
+    share of the targets as dufu.engine.global_loss does) to fp32's precision. All-gather and Ulysses."""
+    ranks = ThreadedRanks()
+    monkeypatch.setattr(context_parallel, "_all_to_all", ranks.all_to_all)
+    monkeypatch.setattr(context_parallel, "_all_gather", ranks.all_gather)
+    monkeypatch.setattr(context_parallel, "_reduce_scatter", ranks.reduce_scatter)
+    model = tiny_model(family)
+    B, T = 2, 32
+    positions = packed_positions(B, T)
+    ids = torch.randint(0, 256, (B, T))
+    labels = torch.randint(0, 256, (B, T)).masked_fill(F.pad(positions[:, 1:] == 0, (0, 1), value=True), -100)
+    total = (labels != -100).sum()
+
+    def summed_loss(logits, targets):  # fp64 (the models' own loss is fp32): the sum over targets / all targets
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum") / total
+
+    ref = model(input_ids=ids, position_ids=positions, shift_labels=labels)
+    ref_grads = torch.autograd.grad(summed_loss(ref.logits, labels), list(model.parameters()))
+
+    def rank_step(rank):
+        cp = threaded_context_parallel(2, rank, a2a_size)
+        part = apply_context_parallel(copy.deepcopy(model), cp)
+        inputs = cp.shard_batch({"input_ids": ids, "position_ids": positions, "shift_labels": labels})
+        out = part(**inputs)
+        weighted = out.loss.detach() * (inputs["shift_labels"] != -100).sum() / total  # global_loss's weights
+        grads = torch.autograd.grad(summed_loss(out.logits, inputs["shift_labels"]), list(part.parameters()))
+        return cp.token_index(T), out.logits.detach(), weighted, grads
+
+    logits, loss, grads = torch.zeros_like(ref.logits), 0, [torch.zeros_like(g) for g in ref_grads]
+    for own, rank_logits, rank_loss, rank_grads in ranks.run(2, rank_step):
+        logits[:, own] = rank_logits
+        loss = loss + rank_loss
+        grads = [a + b for a, b in zip(grads, rank_grads)]
+    assert (logits - ref.logits).abs().max().item() < 1e-10
+    assert abs(loss.item() - ref.loss.item()) < 1e-6 * ref.loss.item()
+    for (name, _), a, b in zip(model.named_parameters(), ref_grads, grads):
+        assert (a - b).abs().max().item() < 1e-10 * max(1.0, a.abs().max().item()), name
+    # the documents matter: the same rows unpacked (positions 0 .. T-1) give other logits
+    assert (model(input_ids=ids).logits - ref.logits).abs().max().item() > 1e-3
+
+
+def document_work(positions: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """(rows,) the causal work of the tokens ``index`` of packed rows: each token attends to the keys of its own
+    document up to itself, position + 1 of them (packed positions count from 0 in every document)."""
+    return (positions[:, index] + 1).double().sum(1)
+
+
+def per_document_zig_zag_work(row: torch.Tensor, cp: int) -> torch.Tensor:
+    """(cp,) the work of each rank if every document of ``row`` were cut into 2 cp zig-zag chunks of its own,
+    padded to a multiple of 2 cp (Megatron's THD layout; the pads do no work)."""
+    starts = [*(row == 0).nonzero().flatten().tolist(), len(row)]
+    work = torch.zeros(cp, dtype=torch.float64)
+    for a, b in zip(starts, starts[1:]):
+        padded = -(-(b - a) // (2 * cp)) * 2 * cp
+        w = F.pad(torch.arange(1, b - a + 1, dtype=torch.float64), (0, padded - (b - a)))
+        chunks = w.view(2 * cp, -1).sum(1)
+        work += torch.stack([chunks[r] + chunks[2 * cp - 1 - r] for r in range(cp)])
+    return work
+
+
+def test_zig_zag_chunks_balance_packed_documents_within_bounds():
+    """The load balance of llama_sft's packed rows (the built-in pairs at seq_length 1024: 40 rows of 1-3 samples
+    and a padding document) under the zig-zag chunks, as the module docstring reports it. The compute that runs
+    (SDPA over each chunk's keys up to its end, masked, no block skipped) is the plain causal zig-zag's, 2 cp + 1
+    chunk-blocks on every rank: balanced exactly. The document work (what a block-skipping kernel would do), the
+    busiest rank against the mean: per row at cp 2 at worst 1.48 and on average 1.22 (a micro-batch of 2 rows:
+    1.42, 1.21), at cp 4 2.12 and 1.53; cutting every document into zig-zag chunks of its own would give 1.01
+    and 1.03 at worst (with up to 2 cp - 1 pads per document)."""
+    train, _ = build_sft_datasets(build_tokenizer("byte"), seq_length=1024, packing=True)
+    positions = torch.stack([torch.as_tensor(train[i]["position_ids"]) for i in range(len(train))])  # (40, 1024)
+    assert positions.shape == (40, 1024) and 1 <= int((positions == 0).sum(1).min())
+    measured = {}
+    for cp in (2, 4):
+        layouts = [ContextParallel(None, cp, r) for r in range(cp)]
+        blocks = {sum(a + 1 for a in layout.chunk_ids()) for layout in layouts}
+        assert blocks == {2 * cp + 1}  # what the masked path computes per rank, documents or not
+        work = torch.stack([document_work(positions, layout.token_index(1024)) for layout in layouts], 1)
+        row = work.max(1).values / work.mean(1)
+        pairs = work.view(-1, 2, cp).sum(1)
+        pair = pairs.max(1).values / pairs.mean(1)
+        own = torch.stack([per_document_zig_zag_work(r, cp) for r in positions])
+        measured.update({(cp, "row worst"): row.max().item(), (cp, "row mean"): row.mean().item(),
+                         (cp, "pair worst"): pair.max().item(), (cp, "pair mean"): pair.mean().item(),
+                         (cp, "per-document worst"): (own.max(1).values / own.mean(1)).max().item()})
+    expected = {(2, "row worst"): 1.480, (2, "row mean"): 1.215, (2, "pair worst"): 1.419, (2, "pair mean"): 1.213,
+                (2, "per-document worst"): 1.012, (4, "row worst"): 2.121, (4, "row mean"): 1.526,
+                (4, "pair worst"): 1.957, (4, "pair mean"): 1.507, (4, "per-document worst"): 1.026}
+    assert measured == pytest.approx(expected, abs=1e-3), measured

@@ -156,8 +156,8 @@ class GPTModel(InitByModule, nn.Module):
     def hidden_states(self, input_ids: torch.Tensor, position_ids: Optional[torch.Tensor] = None,
                       attention_mask: Optional[torch.Tensor] = None,
                       kv_cache: Optional[KVCache] = None) -> torch.Tensor:
-        # Under context parallelism (dufu.parallel.context_parallel) position_ids are the global positions of this
-        # rank's chunks, not documents, and the attention builds its own masks.
+        # Under context parallelism (dufu.parallel.context_parallel) position_ids are those of this rank's tokens and
+        # the attention builds the masks itself over the whole sequence (documents from the split attention_mask).
         if position_ids is not None and kv_cache is None and context_parallel_of(self) is None:
             attention_mask = document_mask(position_ids, attention_mask)  # once for all blocks
         if self.wte is not None:

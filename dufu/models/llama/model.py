@@ -197,8 +197,8 @@ class LlamaDecoder(InitByModule, nn.Module):
         row). On a later pipeline stage ``input_ids`` are the hidden states (B, T, C) of the stage before (every
         stage gets ``position_ids``). With ``fused_loss`` and labels, ``logits`` is None (see the class
         docstring)."""
-        # Under context parallelism (dufu.parallel.context_parallel) position_ids are the global positions of this
-        # rank's chunks, not documents, and the attention builds its own masks.
+        # Under context parallelism (dufu.parallel.context_parallel) position_ids are those of this rank's tokens and
+        # the attention builds the masks itself over the whole sequence (documents from the split attention_mask).
         if position_ids is not None and kv_cache is None and context_parallel_of(self) is None:
             attention_mask = document_mask(position_ids, attention_mask)  # once for all blocks
         h = self.drop(self.wte(input_ids)) if self.wte is not None else input_ids  # (B, T, C)
