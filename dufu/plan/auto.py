@@ -110,6 +110,9 @@ def _apply(cfg, layout: dict) -> None:
     cp = layout.get("context_parallel_size", 1)
     if cp > 1 or "context_parallel_size" in d:
         d.context_parallel_size = cp
+    for key, default in (("context_parallel_mode", "all_gather"), ("context_parallel_a2a_size", 1)):
+        if key in layout and (layout[key] != default or key in d):  # a searched cp of 1 runs without a mode
+            d[key] = layout[key]
     t.train_micro_batch_size = layout["micro_batch_size"]
     if t.global_batch_size is None:
         t.num_accumulation_steps = layout["num_accumulation_steps"]
@@ -141,4 +144,8 @@ def resolved_overrides(cfg) -> list[str]:
         for part in key.split("."):
             node = node.get(part) if hasattr(node, "get") else None
         out.append(f"{key}={'null' if node is None else json.dumps(node)}")
+    d = cfg.train.dist
+    for key, default in (("context_parallel_mode", "all_gather"), ("context_parallel_a2a_size", 1)):
+        if d.get(key, default) != default:  # the context-parallel mode a config sets (kept by the search)
+            out.append(f"train.dist.{key}={json.dumps(d[key])}")
     return out

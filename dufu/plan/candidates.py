@@ -12,6 +12,7 @@ import itertools
 from dufu.engine.schema import is_auto
 from dufu.engine.validate import resolve_batch_sizes
 from dufu.errors import ConfigError, DufuError
+from dufu.parallel.pipeline import SPLIT_BACKWARD_SCHEDULES, V_SCHEDULES
 from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
 from dufu.plan.shapes import ModelInfo
 
@@ -38,7 +39,8 @@ def pipeline_counts_differ(layout: Layout) -> bool:
     pp, m = layout.pipeline_parallel_size, layout.num_accumulation_steps
     if pp == 1:
         return False
-    return m < pp or (layout.pipeline_schedule in MULTI_STAGE_SCHEDULES and m % pp != 0)
+    schedule = layout.pipeline_schedule
+    return m < pp or (schedule in MULTI_STAGE_SCHEDULES and m % pp != 0) or (schedule == "dualpipev" and m < 2 * pp)
 
 
 def context_parallel_sizes(world_size: int, seq_length: int, every: bool) -> list[int]:
@@ -98,7 +100,9 @@ def structures(cfg, world_size: int, autos: list[str], info: ModelInfo, cps=None
         dp, tp, pp, cp = degrees
         sps = options("train.dist.sequence_parallel", bool(d.sequence_parallel),
                       [False, True] if tp > 1 else [False])
-        if "train.dist.virtual_pipeline_size" in autos:
+        if "train.dist.virtual_pipeline_size" in autos and schedule in V_SCHEDULES:
+            vs = [2] if pp > 1 else [1]  # a V places exactly two stages on every rank
+        elif "train.dist.virtual_pipeline_size" in autos:
             vs = [1] + ([v for v in range(2, 9) if info.num_layers % (pp * v) == 0] if pp > 1 else [])
         else:
             vs = [int(d.virtual_pipeline_size or 1)]
@@ -106,17 +110,26 @@ def structures(cfg, world_size: int, autos: list[str], info: ModelInfo, cps=None
             eps = info.expert_parallel_sizes(dp)
         else:
             eps = [fixed_int(d.expert_parallel_size, EP_KEY)]
+        # the config's hybrid sharding and context-parallel mode (kept as they are: not searched); a searched
+        # context-parallel size of 1 has no mode
+        R = d.data_parallel_replicate_size
+        mode, a2a = d.context_parallel_mode, d.context_parallel_a2a_size
+        if cp == 1 and CP_KEY in autos:
+            mode, a2a = "all_gather", 1
+        searched_zero = "train.zero_optimization.stage" in autos
         for sp, v, z, ck, ep in itertools.product(sps, vs, zeros if dp * cp > 1 else [0], ckpts, eps):
             if is_auto(v):
                 continue
             sched = schedule
             if "train.dist.virtual_pipeline_size" in autos:
-                if v > 1 and schedule not in MULTI_STAGE_SCHEDULES:
+                if v > 1 and schedule not in MULTI_STAGE_SCHEDULES + V_SCHEDULES:
                     sched = "interleaved_1f1b"
-                elif v == 1 and schedule in MULTI_STAGE_SCHEDULES:
+                elif v == 1 and schedule in MULTI_STAGE_SCHEDULES + V_SCHEDULES:
                     sched = "1f1b"
+            if searched_zero and ((R > 1 and not z) or (z >= 3 and pp > 1 and sched in SPLIT_BACKWARD_SCHEDULES)):
+                continue  # what dufu train refuses: HSDP without ZeRO; a split backward under ZeRO-3
             yield dict(dp=dp, tp=tp, pp=pp, sp=bool(sp), v=int(v), schedule=sched, zero=int(z), ckpt=ck, ep=ep,
-                       cp=cp)
+                       cp=cp, R=R, cp_mode=mode, a2a=a2a)
 
 
 def with_micro_batches(cfg, s: dict, autos: list[str], setup: Setup, max_micro: int, rejected: list):
@@ -146,4 +159,4 @@ def with_micro_batches(cfg, s: dict, autos: list[str], setup: Setup, max_micro: 
             rejected.append(({"data_parallel_size": dp, "micro_batch_size": mb}, " ".join(str(e).split())))
             continue
         yield Layout(dp, s["tp"], s["pp"], s["sp"], s["v"], s["schedule"], micro, accum, g, s["zero"], s["ckpt"],
-                     s["ep"], s.get("cp", 1))
+                     s["ep"], s.get("cp", 1), s.get("R", 1), s.get("cp_mode", "all_gather"), s.get("a2a", 1))

@@ -108,7 +108,10 @@ def data_parallel_groups(info: ModelInfo, parts: list[int], layout: Layout, hw: 
     context parallelism the group is the data axis, dp x cp ranks (stride tp), which hold the same parameters
     (:class:`dufu.parallel.parallel_dims.ParallelDims`; it refuses cp with ep). ``trainable``: the bytes of what
     trains only, what the gradients' reduction moves (ZeRO gathers every parameter, frozen ones too)."""
-    tp, dp, pp, ep = (layout.tensor_parallel_size, layout.data_axis_size, layout.pipeline_parallel_size,
+    # under HSDP (data_parallel_replicate_size R) ZeRO gathers and reduce-scatters inside one replica's dp x cp / R
+    # neighbouring ranks (the shard group, stride tp); the shards' all-reduce across the R replicas is
+    # replica_all_reduce's
+    tp, dp, pp, ep = (layout.tensor_parallel_size, layout.data_shard_size, layout.pipeline_parallel_size,
                       layout.expert_parallel_size)
     bw, lat = group_link(hw, dp, tp)
     elems = sum(part_elems(info, p, tp, ep, trainable) for p in parts)
@@ -125,6 +128,18 @@ def data_parallel_groups(info: ModelInfo, parts: list[int], layout: Layout, hw: 
             (4.0 * experts, dp // ep, expert_bw, expert_lat, expert_units)]
 
 
+def replica_all_reduce(nbytes: float, units: int, layout: Layout, hw: Hardware) -> float:
+    """Seconds of HSDP's all-reduce across replicas of the gradient shards of ``nbytes`` (unsharded fp32) in
+    ``units`` FSDP units: each rank's ``1 / S`` shard (S = dp x cp / R) all-reduced over the R ranks at its place
+    in the other replicas (stride S x tp; torch's FSDP2 with a 2-D mesh: reduce-scatter over ``dp_shard``, then
+    all-reduce over ``dp_replicate``). 0 without HSDP."""
+    R, S, tp = layout.data_parallel_replicate_size, layout.data_shard_size, layout.tensor_parallel_size
+    if R <= 1:
+        return 0.0
+    bw, lat = group_link(hw, R, S * tp)
+    return collective("all_reduce", nbytes / S, R, bw, 0.0) + units * 2 * (R - 1) * lat
+
+
 def cp_comm(trace: Trace, q: int, layout: Layout, hw: Hardware, share: float) -> tuple[float, float]:
     """(forward, backward) seconds of the context-parallel collectives of traced part ``q`` for one micro-batch.
 
@@ -136,19 +151,33 @@ def cp_comm(trace: Trace, q: int, layout: Layout, hw: Hardware, share: float) ->
     path (dufu issues the collective and waits at once). A cp group is ``cp`` neighbouring ranks of the data axis,
     ``tp`` apart (rank order pp, dp, cp, tp): inside a node when ``cp x tp`` ranks fit in one. Under tensor
     parallelism each rank gathers its own heads (``1 / tp`` of the bytes). The all-gather runs at the device's
-    all-gather bandwidth where it has a figure of its own (gloo's, measured apart), as ZeRO's gathers do."""
+    all-gather bandwidth where it has a figure of its own (gloo's, measured apart), as ZeRO's gathers do.
+
+    Under the all-to-all modes (``context_parallel_mode``) each attention layer exchanges its q, k and v and later
+    its output by all-to-alls over A ranks (A = cp: Ulysses, Jacobs et al. 2023; else hierarchical, inside A
+    neighbours, stride tp), each sending ``(A - 1) / A`` of its tensor (the bytes the trace records, priced as the
+    all-gather's ring), the same again in backward; the hierarchical mode all-gathers K and V across the cp / A
+    groups (stride A x tp). Per rank, layer and direction, in units of the local q's bytes: Ulysses moves
+    (2 + 2 nkv' / nh) (cp - 1) / cp (nkv' the key/value heads repeated to a multiple of A), the all-gather mode
+    2 (nkv / nh) (cp - 1)."""
     cp = layout.context_parallel_size
     if cp <= 1 or not trace.kv_gathers:
         return 0.0, 0.0
-    bw, lat = group_link(hw, cp, layout.tensor_parallel_size)
+    b, tp, A = layout.micro_batch_size, layout.tensor_parallel_size, layout.context_a2a_size
+    # all-to-alls inside A neighbouring cp ranks (stride tp); all-gathers and reduce-scatters across the cp / A
+    # groups (stride A x tp; the whole cp group when A = 1)
+    a2a_bw, a2a_lat = group_link(hw, A, tp)
+    bw, lat = group_link(hw, cp // A, A * tp)
     gather_bw = min(bw, hw.all_gather_bandwidth) if hw.all_gather_bandwidth else bw
-    b, tp = layout.micro_batch_size, layout.tensor_parallel_size
     fwd = bwd = 0.0
     for g in trace.kv_gathers:
         if g.part != q:
             continue
         nbytes = lin(g.nbytes, b) / (tp if g.split else 1)
-        t = collective(g.kind, nbytes, cp, gather_bw if g.kind == "all_gather" else bw, lat)
+        if g.kind == "all_to_all":
+            t = collective("all_to_all", nbytes, A, a2a_bw, a2a_lat)
+        else:
+            t = collective(g.kind, nbytes, cp // A, gather_bw if g.kind == "all_gather" else bw, lat)
         if g.backward:
             bwd += t
         else:

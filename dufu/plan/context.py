@@ -19,6 +19,11 @@ Rank 0 is traced: every rank attends to the same (r + 1) + (2 cp - r) = 2 cp + 1
 chunks r and 2 cp - 1 - r), so the work is the same, but rank 0's second chunk attends to the whole sequence: its
 mask and attention temporaries are the largest, the worst rank's memory.
 
+Under the all-to-all modes (``context_parallel_mode``) the same ContextParallel runs its all-to-alls of heads
+(:class:`_Exchanged`: ``all_to_all_single`` on fake tensors): Ulysses attends whole sequences with ``1 / cp`` of the
+heads, so the trace keeps what it keeps (no whole-sequence K/V of every head); the hierarchical mode exchanges heads
+inside groups of A ranks and all-gathers K and V across the cp / A groups.
+
 The recorder notes every collective as it is dispatched (:class:`KVGather`): once per forward, again when full
 checkpointing recomputes a block, not when selective checkpointing replays the kept output; the reduce-scatters in
 backward. :func:`dufu.plan.comm.cp_comm` prices them over the cp group.
@@ -41,15 +46,17 @@ class KVGather:
     micro-batch 1, per extra sample)."""
 
     part: int
-    kind: str  # "all_gather" | "reduce_scatter"
-    nbytes: tuple[float, float]
+    kind: str  # "all_gather" | "reduce_scatter" | "all_to_all"
+    nbytes: tuple[float, float]  # all_to_all: the bytes of one rank's tensor (what it sends and receives)
     split: bool  # heads divided by tensor parallelism (K and V of column-parallel projections)
     backward: bool  # dispatched in the backward pass
+    ranks: int = 0  # the ranks of the collective's group (0: the whole cp group)
 
 
 # The ops of torch's functional collectives the stand-in dispatches (recorded by dufu.plan.recorder as they run).
 COLLECTIVES = {"_c10d_functional.all_gather_into_tensor.default": "all_gather",
-               "_c10d_functional.reduce_scatter_tensor.default": "reduce_scatter"}
+               "_c10d_functional.reduce_scatter_tensor.default": "reduce_scatter",
+               "_c10d_functional.all_to_all_single.default": "all_to_all"}
 # The process group name the fake collectives carry: fake tensors need no group behind it.
 _GROUP = "dufu_plan_context"
 
@@ -77,10 +84,36 @@ class _Gathered(torch.autograd.Function):
         return ops.wait_tensor(ops.reduce_scatter_tensor(grad.contiguous(), "sum", ctx.cp, _GROUP)), None, None
 
 
-def split_for_context_parallel(model: nn.Module, inputs: dict, cp: int, device: str = "cpu") -> dict:
-    """Give the fake ``model`` rank 0's ContextParallel of ``cp`` ranks, its all-gather stood in for
-    (:class:`_Gathered`); return rank 0's share of the fake batch ``inputs``."""
-    context = ContextParallel(None, cp, 0, gather=lambda x, dim: _Gathered.apply(x, dim, cp))
+class _Exchanged(torch.autograd.Function):
+    """Stands in for the all-to-all of heads of :mod:`dufu.parallel.context_parallel` (Ulysses, or the
+    hierarchical mode's inside ``n`` ranks) with torch's functional ``all_to_all_single`` on fake tensors, along
+    dim 0 (``n`` parts, one per member); backward, the same exchange of the gradient."""
+
+    @staticmethod
+    def forward(ctx, x, n: int):
+        ctx.n = n
+        return _all_to_all(x, n)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_to_all(grad, ctx.n), None
+
+
+def _all_to_all(x: torch.Tensor, n: int) -> torch.Tensor:
+    ops = torch.ops._c10d_functional
+    splits = [x.shape[0] // n] * n
+    return ops.wait_tensor(ops.all_to_all_single(x.contiguous(), splits, splits, _GROUP))
+
+
+def split_for_context_parallel(model: nn.Module, inputs: dict, cp: int, device: str = "cpu",
+                               a2a_size: int = 1) -> dict:
+    """Give the fake ``model`` rank 0's ContextParallel of ``cp`` ranks with all-to-alls of heads over ``a2a_size``
+    of them (1: none; ``cp``: Ulysses; between: hierarchical, whose K/V all-gather spans cp / a2a_size groups),
+    its collectives stood in for (:class:`_Gathered`, :class:`_Exchanged`); return rank 0's share of the fake batch
+    ``inputs``."""
+    across = cp // a2a_size
+    context = ContextParallel(None, cp, 0, gather=lambda x, dim: _Gathered.apply(x, dim, across), a2a_size=a2a_size,
+                              all_to_all=lambda x, group: _Exchanged.apply(x, a2a_size))
     context.device_type = device  # the attention path of the device planned for (the fused kernel of the device planned for)
     apply_context_parallel(model, context)
     return context.shard_batch(inputs)

@@ -29,6 +29,10 @@ class Layout:
     activation_checkpoint: object  # False, "selective" or "full"
     expert_parallel_size: int = 1  # MoE experts split over this many of the data-parallel ranks (divides dp)
     context_parallel_size: int = 1  # every sample's tokens split over this many ranks (dufu.parallel.context_parallel)
+    # hybrid sharding (HSDP, under ZeRO): the data axis as this many replicas of data_axis_size / R shards each
+    data_parallel_replicate_size: int = 1
+    context_parallel_mode: str = "all_gather"  # "all_gather" | "all_to_all" (Ulysses) | "hierarchical"
+    context_parallel_a2a_size: int = 1  # hierarchical: the all-to-all spans this many cp ranks
 
     @property
     def world_size(self) -> int:
@@ -40,6 +44,21 @@ class Layout:
         """The ranks gradients are averaged (and ZeRO shards) over: dp x cp, as ParallelDims.data_axis_size."""
         return self.data_parallel_size * self.context_parallel_size
 
+    @property
+    def data_shard_size(self) -> int:
+        """The ranks ZeRO shards a parameter over: the data axis, or under HSDP one replica's dp / R x cp ranks
+        (ParallelDims.data_shard_size)."""
+        return self.data_axis_size // self.data_parallel_replicate_size
+
+    @property
+    def context_a2a_size(self) -> int:
+        """How many cp ranks each all-to-all of heads spans: 1 (K/V all-gathered), cp (Ulysses) or the
+        hierarchical mode's a2a size (ParallelDims.context_a2a_size)."""
+        if self.context_parallel_size == 1:
+            return 1
+        return {"all_to_all": self.context_parallel_size,
+                "hierarchical": self.context_parallel_a2a_size}.get(self.context_parallel_mode, 1)
+
     def as_dict(self) -> dict:
         return asdict(self)
 
@@ -49,6 +68,11 @@ class Layout:
             parts.insert(1, f"cp{self.context_parallel_size}")
         text = " x ".join(parts)
         extras = []
+        if self.data_parallel_replicate_size > 1:
+            extras.append(f"hsdp{self.data_parallel_replicate_size}")
+        if self.context_a2a_size > 1:
+            extras.append("ulysses" if self.context_a2a_size == self.context_parallel_size
+                          else f"a2a{self.context_a2a_size}")
         if self.expert_parallel_size > 1:
             extras.append(f"ep{self.expert_parallel_size}")
         if self.sequence_parallel:
@@ -82,6 +106,12 @@ class Layout:
             out.append(f"train.dist.expert_parallel_size={self.expert_parallel_size}")
         if self.context_parallel_size > 1:
             out.append(f"train.dist.context_parallel_size={self.context_parallel_size}")
+        if self.data_parallel_replicate_size > 1:
+            out.append(f"train.dist.data_parallel_replicate_size={self.data_parallel_replicate_size}")
+        if self.context_parallel_mode != "all_gather":
+            out.append(f"train.dist.context_parallel_mode={self.context_parallel_mode}")
+        if self.context_parallel_a2a_size > 1:
+            out.append(f"train.dist.context_parallel_a2a_size={self.context_parallel_a2a_size}")
         return out
 
 
@@ -99,6 +129,9 @@ class Setup:
     schedule: str
     clip_grad: bool
     compile: object = "auto"
+    optimizer: str = "adamw"  # "adamw" | "muon" (dufu.optim.Muon: AdamW for what is not Muon's) | "sgd"
+    sgd_momentum: bool = True  # "sgd": one momentum buffer per parameter (False: none)
+    muon_ns_dtype: str = "auto"  # Muon's Newton-Schulz dtype: "fp32", "bf16" or "auto" (bf16 where it is fast)
 
     def compiled_on(self, hardware) -> bool:
         """Whether the blocks run compiled (:func:`dufu.parallel.compile.decide_compile`: "auto" compiles on
@@ -133,7 +166,29 @@ def setup_from_config(cfg, hardware) -> Setup:
     return Setup(dtype, reason, t.global_batch_size, t.num_accumulation_steps, mode,
                  bool(t.amp.cache_weight_casts), t.dist.custom_pipeline_stage_id,
                  t.dist.pipeline_schedule, bool(t.clip_grad_norm),
-                 t.compile.enabled)
+                 t.compile.enabled, *optimizer_of(cfg))
+
+
+# The optimizer classes the planner knows by their ``optim._target_`` (anything else is planned as AdamW, whose two
+# moments per parameter are the most a torch optimizer keeps).
+MUON_TARGETS = ("dufu.optim.Muon", "dufu.optim.muon.Muon")
+SGD_TARGETS = ("torch.optim.SGD", "torch.optim.sgd.SGD")
+
+
+def optimizer_of(cfg) -> tuple[str, bool, str]:
+    """(kind, SGD with momentum, Muon's Newton-Schulz dtype) of the config's ``optim``: kind "muon" (one momentum
+    buffer per Muon matrix, AdamW's two moments for the rest), "sgd" (one momentum buffer, or none) or "adamw"
+    (every other optimizer)."""
+    optim = cfg.get("optim") if hasattr(cfg, "get") else None
+    target = optim.get("_target_", "") if hasattr(optim, "get") else ""
+    name = target if isinstance(target, str) else (
+        f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}")
+    if name in MUON_TARGETS:
+        ns = optim.get("ns_dtype", "auto")
+        return "muon", True, {"float32": "fp32", "bfloat16": "bf16"}.get(ns, "auto")
+    if name in SGD_TARGETS:
+        return "sgd", bool(optim.get("momentum", 0) or 0), "auto"
+    return "adamw", True, "auto"
 
 
 def layout_text(layout: dict) -> str:
@@ -142,6 +197,14 @@ def layout_text(layout: dict) -> str:
     text = (f"dp {layout['data_parallel_size']}{f' x cp {cp}' if cp > 1 else ''} x tp "
             f"{layout['tensor_parallel_size']} x pp {layout['pipeline_parallel_size']}")
     extras = []
+    if layout.get("data_parallel_replicate_size", 1) > 1:
+        R = layout["data_parallel_replicate_size"]
+        extras.append(f"hybrid sharding ({R} replicas)")
+    mode = layout.get("context_parallel_mode", "all_gather")
+    a2a = 1 if cp == 1 else cp if mode == "all_to_all" else (
+        layout.get("context_parallel_a2a_size", 1) if mode == "hierarchical" else 1)
+    if a2a > 1:
+        extras.append("Ulysses all-to-all" if a2a == cp else f"all-to-all within {a2a}")
     if layout.get("expert_parallel_size", 1) > 1:
         extras.append(f"experts over ep {layout['expert_parallel_size']}")
     if layout.get("sequence_parallel"):

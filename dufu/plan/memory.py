@@ -4,11 +4,16 @@ What a rank holds at rest (per parameter it owns after tensor/pipeline splitting
 compute dtype, as dufu's autocast keeps them):
 
 * parameters 4 B, gradients 4 B, AdamW's two moments 8 B: the 16 B of Rajbhandari et al. 2020's model states
-  (2 + 2 + K, K = 12, with fp16 weights and gradients beside fp32 master weights; dufu's split is 4 + 4 + 8). A
+  (2 + 2 + K, K = 12, with fp16 weights and gradients beside fp32 master weights; dufu's split is 4 + 4 + 8).
+  Muon (``dufu.optim.Muon``) keeps one momentum buffer (4 B) for the hidden matrices it updates, AdamW's 8 B for
+  the rest, and its step orthogonalises each matrix whole (about 20 B per element of the largest one, for a
+  moment); SGD keeps one momentum buffer (4 B) or nothing. A
   delta run's frozen parameters (:mod:`dufu.delta`) have no gradient and no moments: those are counted for the
   parameters that train only;
 * under ZeRO (FSDP2 ``fully_shard``) all three are shards, 1/dp each (1/(dp x cp) under context parallelism,
-  whose ranks hold the same parameters: "dp" below is the data axis, dp x cp). dufu runs stage 1 with stage-2
+  whose ranks hold the same parameters: "dp" below is the data axis, dp x cp; under hybrid sharding, HSDP with
+  ``data_parallel_replicate_size`` R, the shards are those of one replica's dp x cp / R ranks). dufu runs stage 1
+  with stage-2
   sharding (:mod:`dufu.parallel.data_parallel`), so stages 1 and 2 hold the same;
 * every expert of a mixture-of-experts layer (all ``E``, though a token uses ``top_k``); under expert parallelism
   (``ep``) a rank holds ``E / ep`` of them, data-parallel over the ``dp / ep`` ranks of its ``expert_data`` group
@@ -44,7 +49,10 @@ layout (tensor-parallel kinds, micro-batch size):
   pipeline parallelism torch's stages keep units gathered for the whole step (``set_reshard_after_backward(False)``);
 * pipeline in-flight micro-batches: a rank's activations of the micro-batches it has run forward but not yet
   backward: 1F1B stage r holds min(pp - r, m) (Narayanan et al. 2021), GPipe all m, interleaved 1F1B torch's
-  warm-up count ((v - 1) * pp + 2 (pp - r - 1), capped at m v) plus one, in chunks of 1/v of the rank's layers.
+  warm-up count ((v - 1) * pp + 2 (pp - r - 1), capped at m v) plus one, in chunks of 1/v of the rank's layers;
+  the V schedules (rank r holds stages r and 2 pp - 1 - r) pp on every rank (ZB-V, Qi et al. 2024: 1F1B's peak,
+  balanced), DualPipeV pp + 1/2 (counted off torch's action lists, a stage's activations kept until its weight
+  gradient).
 
 The peak is the largest total over the replay of the first micro-batch (no gradients yet) and of a later one
 (gradients of earlier micro-batches present), and the optimizer step. The replay repeats the traced middle block
@@ -57,8 +65,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from dufu.parallel.pipeline import layer_stage_ids
+from dufu.parallel.pipeline import V_SCHEDULES, layer_stage_ids, rank_stages
 from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
+from dufu.plan.optimizer import optimizer_state, optimizer_step_temporaries
 from dufu.plan.shapes import ModelInfo, Trace
 
 KEYS = ("parameters", "gradients", "optimizer", "activations", "communication", "pipeline_in_flight", "temporaries")
@@ -86,7 +95,7 @@ def rank_parts(info: ModelInfo, layout: Layout, setup: Setup) -> list[list[int]]
     ids = layer_stage_ids(info.num_layers, stages, setup.custom_stage_ids)
     out = []
     for r in range(pp):
-        mine = set(range(r, stages, pp))
+        mine = set(rank_stages(layout.pipeline_schedule, pp, r, v))  # looped, or a V (zbv, dualpipev)
         parts = [0] if 0 in mine else []
         parts += [1 + i for i, s in enumerate(ids) if s in mine]
         if stages - 1 in mine:
@@ -132,7 +141,7 @@ def owned(nbytes: float, elems: float, experts: float, layout: Layout) -> float:
     ``expert_data``)."""
     if not layout.zero_stage:
         return nbytes * elems
-    dp, ep = layout.data_axis_size, layout.expert_parallel_size
+    dp, ep = layout.data_shard_size, layout.expert_parallel_size  # under HSDP, one replica's ranks
     if not experts or ep == 1:
         return nbytes * elems / dp
     return nbytes * (elems - experts) / dp + nbytes * experts / (dp // ep)
@@ -145,6 +154,11 @@ def in_flight(layout: Layout, rank: int) -> float:
         return 1.0
     if layout.pipeline_schedule == "gpipe":
         return float(m)
+    if layout.pipeline_schedule in V_SCHEDULES:
+        # torch's action lists (ScheduleZBVZeroBubble, ScheduleDualPipeV), a stage's activations kept from its
+        # forward to its weight gradient: every rank peaks at 2 pp stage-forwards (pp of its whole share), DualPipeV
+        # at one more (its paired forward runs before the backward beside it frees)
+        return float(min(pp + (0.5 if layout.pipeline_schedule == "dualpipev" else 0.0), m))
     if layout.pipeline_schedule in MULTI_STAGE_SCHEDULES and v > 1:
         rounds = max(1, m // pp)
         per_round = m // rounds
@@ -228,9 +242,11 @@ def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, ra
     experts, trained_experts = expert_elems(info, parts, ep), expert_elems(info, parts, ep, trainable=True)
     static = {k: 0.0 for k in KEYS}
     static["parameters"] = owned(4.0, elems, experts, layout)
-    static["optimizer"] = owned(8.0, trained, trained_experts, layout)  # AdamW's moments of what trains
+    static["optimizer"] = sum(owned(nbytes, n, n_experts, layout)  # AdamW's moments, Muon's or SGD's momentum
+                              for nbytes, n, n_experts in optimizer_state(info, parts, layout, setup, trained,
+                                                                          trained_experts))
     if zero >= 3 and info.tied and pp == 1:
-        static["parameters"] += 4.0 * info.tied_elems / tp / dp  # the output unit's sharded copy
+        static["parameters"] += 4.0 * info.tied_elems / tp / layout.data_shard_size  # the output unit's sharded copy
         static["optimizer"] += 0.0  # the copy is left out of the optimizer (TiedCopies)
     units = _Units(info, parts, layout, low=low_precision_units(layout, setup)) if zero else None
     if zero and pp > 1:
@@ -266,6 +282,7 @@ def _rank_memory(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, ra
     opt["gradients"] = owned(4.0, trained, trained_experts, layout)
     if zero and pp == 1:
         opt["communication"] = 0.0
+    opt["temporaries"] += optimizer_step_temporaries(info, parts, setup)
     results.append((sum(opt.values()), opt, "optimizer step"))
     peak, breakdown, where = max(results, key=lambda x: x[0])
     states = {k: opt[k] for k in ("parameters", "gradients", "optimizer")}
@@ -499,7 +516,8 @@ def _end_of_backward(info, layout, p, units, part_grads, c, check, release, sync
     rank's shard and drops the full-size gradients; the buffer itself is kept until the next unit's
     reduce-scatter is issued (``FSDPCommContext.reduce_scatter_states``, one buffer in flight by default), so
     one unit's worth of it is alive through the next unit's backward."""
-    dp, zero, ep = layout.data_axis_size, layout.zero_stage, layout.expert_parallel_size
+    zero, ep = layout.zero_stage, layout.expert_parallel_size
+    dp = layout.data_axis_size if units is None else layout.data_shard_size  # ZeRO keeps a shard of one replica's
     if units is None:
         if dp > 1 and sync:
             # replicate (DDP on FSDP2): the unit's gradient is copied into an all-reduce buffer, and the previous

@@ -186,7 +186,8 @@ class Recorder(MoERecording):
 
     def _poll_frees(self) -> None:
         use_count = torch._C._storage_Use_Count
-        dead = [c for c, (s, _) in self.live.items() if use_count(s._cdata) <= 1]
+        # the key is the storage's _cdata, kept valid by the storage object the entry holds
+        dead = [c for c in self.live if use_count(c) <= 1]
         for c in dead:
             _, sid = self.live.pop(c)
             self.values.pop(c, None)
@@ -247,8 +248,10 @@ class Recorder(MoERecording):
         # autocast's low-precision copy of a weight (a cast of a parameter)
         derived = name == "aten._to_copy.default" and bool(kinds) and kinds[0][1]
         if name in COLLECTIVES:  # context parallelism's K/V collectives (dufu.plan.context), whole-sequence bytes
-            whole = outs[0] if COLLECTIVES[name] == "all_gather" else flat_in[0]
-            self.kv_gathers.append(dict(part=self.part, kind=COLLECTIVES[name], backward=self.phase != "fwd",
+            kind = COLLECTIVES[name]
+            whole = outs[0] if kind == "all_gather" else flat_in[0]
+            ranks = len(args[1]) if kind == "all_to_all" else int(args[1] if kind == "all_gather" else args[2])
+            self.kv_gathers.append(dict(part=self.part, kind=kind, backward=self.phase != "fwd", ranks=ranks,
                                         nbytes=whole.numel() * whole.element_size(), split=kinds[0][0] == "feat"))
         if is_view:
             ops.views += 1

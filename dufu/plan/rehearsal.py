@@ -10,7 +10,8 @@ model costs no memory, and nothing is initialised.
 
 What the rank holds is counted from its local shards' shapes and dtypes (``DTensor.to_local()``): parameters;
 gradients, one per trained parameter in its dtype and sharding (FSDP2 keeps the shard, ``replicate`` the whole);
-the optimizer's state, AdamW's two moments of what trains (the parameters are dufu's fp32 master weights:
+the optimizer's state, AdamW's two moments of what trains (Muon's one momentum buffer for its matrices, SGD's
+one or none; the parameters are dufu's fp32 master weights:
 autocast computes in low precision from them, so no further copy exists). Activations are not measured (a meta
 step has no memory to measure): the planner's estimate for the rank is shown, labelled as such.
 
@@ -53,7 +54,7 @@ from dufu.parallel.build import build_model_parts
 from dufu.parallel.context_parallel import build_context_parallel
 from dufu.plan.auto import resolve_auto_layout
 from dufu.plan.hardware import get_hardware
-from dufu.plan.layout import setup_from_config
+from dufu.plan.layout import optimizer_of, setup_from_config
 from dufu.plan.memory import estimate_memory
 from dufu.plan.report import _bytes
 from dufu.plan.search import check_layout, layout_from_config, model_info
@@ -143,7 +144,7 @@ def _rehearse_rank(cfg, plan, world_size: int, rank: int, predicted: list[dict])
             data_mesh=world.fsdp_mesh if world is not None else None)
         coordinate = dict(zip(("pipeline", "data", "tensor"), mesh.get_coordinate())) if mesh is not None else \
             {"pipeline": 0, "data": 0, "tensor": 0}
-        memory = held_bytes(parts.modules)
+        memory = held_bytes(parts.modules, *optimizer_of(cfg)[:2])
         collectives = step_collectives(cfg, plan, parts.modules, world, coordinate)
         executed, executed_note = executed_collectives(cfg, plan, parts.modules, world)
     finally:
@@ -190,7 +191,7 @@ def executed_collectives(cfg, plan, modules: list[nn.Module], world) -> tuple[Op
     from dufu.engine.batch import to_model_inputs
 
     axes = {}  # ranks of a group -> its axis name
-    for mesh in (world.mesh, world.expert_mesh):
+    for mesh in (world.mesh, world.fsdp_mesh, world.expert_mesh):
         for axis in (mesh.mesh_dim_names or ()) if mesh is not None else ():
             axes.setdefault(tuple(dist.get_process_group_ranks(mesh.get_group(axis))), axis)
     seen: dict = {}
@@ -243,9 +244,18 @@ def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
 
 
-def held_bytes(modules: list[nn.Module]) -> dict:
-    """Parameters, gradients and AdamW's state this rank keeps, from its local shards' shapes and dtypes (a last
-    stage's own copy of a tied embedding included: it trains and has its moments)."""
+def held_bytes(modules: list[nn.Module], optimizer: str = "adamw", sgd_momentum: bool = True) -> dict:
+    """Parameters, gradients and the optimizer's state this rank keeps, from its local shards' shapes and dtypes (a
+    last stage's own copy of a tied embedding included: it trains and has its moments). ``optimizer``
+    (:func:`dufu.plan.layout.optimizer_of`): "adamw" two moments per parameter; "muon" one momentum buffer for the
+    matrices :func:`dufu.optim.muon_param_groups` gives Muon, two moments for the rest; "sgd" one buffer (none
+    without momentum)."""
+    muon: set = set()
+    if optimizer == "muon":
+        from dufu.optim import muon_param_groups
+
+        muon = {id(p) for m in modules for g in muon_param_groups(m) if g["use_muon"] for p in g["params"]}
+    states = {"adamw": 2, "muon": 2, "sgd": 1 if sgd_momentum else 0}.get(optimizer, 2)
     seen, out = set(), {k: 0 for k in STATE_KEYS}
     for module in modules:
         for p in module.parameters():
@@ -257,7 +267,8 @@ def held_bytes(modules: list[nn.Module]) -> dict:
             out["parameters"] += nbytes
             if p.requires_grad:
                 out["gradients"] += nbytes  # FSDP2 keeps the gradient shard, replicate / DDP the whole
-                out["optimizer"] += 2 * nbytes  # AdamW's exp_avg and exp_avg_sq, like the parameter
+                # AdamW's exp_avg and exp_avg_sq, like the parameter; Muon's momentum; SGD's momentum
+                out["optimizer"] += (1 if id(p) in muon else states) * nbytes
     return out
 
 
@@ -279,6 +290,9 @@ def step_collectives(cfg, plan, modules: list[nn.Module], world, coordinate: dic
     out = []
     if dims.data_axis_size > 1:
         groups = {"data": _group(mesh, "data")}
+        if world.fsdp_mesh is not None:  # hybrid sharding: FSDP2 shards within a replica, all-reduces across
+            groups["dp_shard"] = _group(world.fsdp_mesh, "dp_shard")
+            groups["dp_replicate"] = _group(world.fsdp_mesh, "dp_replicate")
         if world.expert_mesh is not None:
             groups["expert_data"] = _group(world.expert_mesh, "expert_data")
         out += _data_parallel(modules, groups, bool(t.zero_optimization.enabled), int(t.zero_optimization.stage),
@@ -357,6 +371,9 @@ def _data_parallel(modules, groups: dict, zero: bool, stage: int, accum: int, pi
                 continue
             names = getattr(getattr(params[0], "device_mesh", None), "mesh_dim_names", None) or ()
             group = groups["expert_data"] if "expert_data" in names and "expert_data" in groups else groups["data"]
+            replicas = None
+            if zero and "dp_shard" in names and "dp_shard" in groups:  # HSDP: a 2-D mesh (dp_replicate, dp_shard)
+                group, replicas = groups["dp_shard"], groups["dp_replicate"]
             local = sum(_local(p).numel() * p.element_size() for p in params)
             # FSDP2 gathers the shards of the group (padding aside); replicate reduces the whole local tensors
             full = local * len(group["ranks"]) if zero else local
@@ -374,6 +391,9 @@ def _data_parallel(modules, groups: dict, zero: bool, stage: int, accum: int, pi
                 out.append(dict(op="all_gather", **group, bytes=full, count=gathers, what=f"FSDP unit {label}"))
                 out.append(dict(op="reduce_scatter", **group, bytes=full, count=1,
                                 what=f"FSDP unit {label} gradients"))
+                if replicas is not None:
+                    out.append(dict(op="all_reduce", **replicas, bytes=local, count=1,
+                                    what=f"FSDP unit {label} gradient shards across replicas"))
             else:
                 out.append(dict(op="all_reduce", **group, bytes=full, count=1, what=f"replicate unit {label} "
                                 "gradients"))

@@ -28,9 +28,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field, replace
 from typing import Optional
 
+import torch
+
 from dufu.config import ConfigDict, LazyConfig
 from dufu.engine.validate import resolve_batch_sizes
 from dufu.errors import ConfigError, DufuError, LayoutError
+from dufu.layers.mla import MLA
 from dufu.models.base import contract_of
 from dufu.parallel.checks import validate_layout
 from dufu.parallel.parallel_dims import ParallelDims
@@ -163,7 +166,10 @@ def _dist_cfg(cfg, layout: Layout) -> ConfigDict:
     d.update(data_parallel_size=layout.data_parallel_size, tensor_parallel_size=layout.tensor_parallel_size,
              pipeline_parallel_size=layout.pipeline_parallel_size, sequence_parallel=layout.sequence_parallel,
              virtual_pipeline_size=layout.virtual_pipeline_size, pipeline_schedule=layout.pipeline_schedule,
-             expert_parallel_size=layout.expert_parallel_size, context_parallel_size=layout.context_parallel_size)
+             expert_parallel_size=layout.expert_parallel_size, context_parallel_size=layout.context_parallel_size,
+             data_parallel_replicate_size=layout.data_parallel_replicate_size,
+             context_parallel_mode=layout.context_parallel_mode,
+             context_parallel_a2a_size=layout.context_parallel_a2a_size)
     d.pop("auto", None)
     return d
 
@@ -171,7 +177,10 @@ def _dist_cfg(cfg, layout: Layout) -> ConfigDict:
 def check_layout(info: ModelInfo, cfg, layout: Layout) -> None:
     """Raise LayoutError exactly where ``dufu train`` would, for ``layout`` on ``info``'s model."""
     dims = ParallelDims(layout.data_parallel_size, layout.tensor_parallel_size, layout.pipeline_parallel_size,
-                        layout.world_size, layout.expert_parallel_size, layout.context_parallel_size)
+                        layout.world_size, layout.expert_parallel_size, layout.context_parallel_size,
+                        data_parallel_replicate_size=layout.data_parallel_replicate_size,
+                        context_parallel_mode=layout.context_parallel_mode,
+                        context_parallel_a2a_size=layout.context_parallel_a2a_size)
     zero_cfg = ConfigDict(cfg.train.zero_optimization, enabled=bool(layout.zero_stage), stage=layout.zero_stage or 1)
     stage_ids = validate_layout(dims, info.model, _dist_cfg(cfg, layout), zero_cfg, info.seq_length,
                                 layout.num_accumulation_steps)
@@ -192,7 +201,8 @@ def layout_from_config(cfg, world_size: int) -> Layout:
                   bool(t.dist.sequence_parallel), int(t.dist.virtual_pipeline_size or 1),
                   t.dist.pipeline_schedule, micro, accum, global_,
                   int(zero.stage) if zero.enabled else 0, ckpt.mode if ckpt.enabled else False,
-                  dims.expert_parallel_size, dims.context_parallel_size)
+                  dims.expert_parallel_size, dims.context_parallel_size, dims.data_parallel_replicate_size,
+                  dims.context_parallel_mode, dims.context_parallel_a2a_size)
 
 
 def _memory_limit(hw: Hardware, world_size: int) -> int:
@@ -207,7 +217,7 @@ def _memory_limit(hw: Hardware, world_size: int) -> int:
 def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_size: int) -> Estimate:
     """The estimate of a layout already known to be valid."""
     trace = get_trace(info, setup.dtype, layout.activation_checkpoint or None, "cpu" if hw.synchronous else "cuda",
-                      layout.expert_parallel_size, layout.context_parallel_size)
+                      layout.expert_parallel_size, layout.context_parallel_size, layout.context_a2a_size)
     worst, ranks = estimate_memory(info, trace, layout, setup, asynchronous=not hw.synchronous)
     times, details = estimate_time(info, trace, layout, setup, hw, world_size)
     step = details["step_time_s"]
@@ -240,9 +250,29 @@ def evaluate(info: ModelInfo, setup: Setup, layout: Layout, hw: Hardware, world_
     if info.expert_counts:
         est.notes.append("mixture of experts: FLOPs are those of the top_k experts a token uses, memory holds every "
                          "expert (1 / ep of them per rank), the routing is taken as balanced")
-    if layout.context_parallel_size > 1:
-        est.notes.append(f"context parallelism: traced as rank 0 of {layout.context_parallel_size} (T / cp tokens, "
-                         "the whole K and V gathered per layer); its all-gathers and reduce-scatters are not overlapped")
+    cp, a2a = layout.context_parallel_size, layout.context_a2a_size
+    if cp > 1 and a2a == 1:
+        est.notes.append(f"context parallelism: traced as rank 0 of {cp} (T / cp tokens, the whole K and V "
+                         "gathered per layer); its all-gathers and reduce-scatters are not overlapped")
+    elif cp > 1:
+        across = f", K and V all-gathered across {cp // a2a} groups" if a2a < cp else ""
+        est.notes.append(f"context parallelism: traced as rank 0 of {cp} (T / cp tokens; attention heads exchanged by "
+                         f"all-to-alls over {a2a} ranks{across}); its collectives are not overlapped")
+    if layout.data_parallel_replicate_size > 1:
+        R = layout.data_parallel_replicate_size
+        est.notes.append(f"hybrid sharding: {R} replicas of {layout.data_shard_size} shards; ZeRO's gathers run inside "
+                         "a replica, the gradient shards are all-reduced across replicas")
+    mla = next((m for m in info.model.modules() if isinstance(m, MLA)), None)
+    if mla is not None:
+        low = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(setup.dtype, torch.float32)
+        full = mla.num_heads * (mla.qk_head_dim + mla.v_head_dim) * low.itemsize
+        kept = mla.cache_bytes_per_token(low)
+        est.notes.append(f"multi-head latent attention: generation's KV cache keeps {kept:,} B per token and layer "
+                         f"in {setup.dtype} (the compressed latent and the rotary key), against "
+                         f"{full:,} B for its {mla.num_heads} heads' full keys and values")
+    if setup.optimizer == "muon":
+        est.notes.append("Muon: one momentum buffer per hidden matrix (AdamW's two moments for the rest); every rank "
+                         "orthogonalises every matrix whole (Newton-Schulz), after one all-gather of each sharded one")
     return est
 
 
@@ -276,7 +306,7 @@ def estimate_peak_memory(cfg, world_size: int, device_type: str = "cpu") -> Peak
     check_layout(info, cfg, layout)
     asynchronous = device_type == "cuda"
     trace = get_trace(info, setup.dtype, layout.activation_checkpoint or None, "cuda" if asynchronous else "cpu",
-                      layout.expert_parallel_size, layout.context_parallel_size)
+                      layout.expert_parallel_size, layout.context_parallel_size, layout.context_a2a_size)
     worst, ranks = estimate_memory(info, trace, layout, setup, asynchronous=asynchronous)
     where = f"pipeline rank {worst.rank}, {worst.where}" if layout.pipeline_parallel_size > 1 else worst.where
     return PeakMemory(sum(_memory_parts(worst).values()), where, [int(r.peak) for r in ranks])
@@ -292,6 +322,9 @@ def _layout_dict(layout: Layout) -> dict:
         "global_batch_size": d["global_batch_size"], "zero_stage": d["zero_stage"],
         "activation_checkpoint": d["activation_checkpoint"], "expert_parallel_size": d["expert_parallel_size"],
         "context_parallel_size": d["context_parallel_size"],
+        "data_parallel_replicate_size": d["data_parallel_replicate_size"],
+        "context_parallel_mode": d["context_parallel_mode"],
+        "context_parallel_a2a_size": d["context_parallel_a2a_size"],
     }
 
 
@@ -428,6 +461,10 @@ def apply_layout(cfg, layout_dict: dict):
         overrides.append("train.dist.expert_parallel_size=1")
     if layout.context_parallel_size == 1 and "context_parallel_size" in cfg.train.dist:
         overrides.append("train.dist.context_parallel_size=1")
+    if layout.context_parallel_mode == "all_gather" and "context_parallel_mode" in cfg.train.dist:
+        overrides.append("train.dist.context_parallel_mode=all_gather")
+    if layout.context_parallel_a2a_size == 1 and "context_parallel_a2a_size" in cfg.train.dist:
+        overrides.append("train.dist.context_parallel_a2a_size=1")
     if cfg.train.global_batch_size is None:
         overrides.append(f"train.num_accumulation_steps={layout.num_accumulation_steps}")
     return LazyConfig.apply_overrides(cfg, overrides)

@@ -35,6 +35,7 @@ from dufu.delta import apply_delta
 from dufu.engine.reporting.report import model_flops_per_token
 from dufu.errors import ConfigError, DufuError
 from dufu.models.base import contract_of
+from dufu.optim.muon import muon_param_groups
 from dufu.parallel.data_parallel import end_units
 from dufu.parallel.expert_parallel import expert_modules
 from dufu.parallel.parallelize_utils import transformer_blocks
@@ -86,6 +87,12 @@ class Part:
     trainable: int = 0
     trainable_tp_split: int = 0
     trainable_experts: int = 0
+    # of ``trainable``, the hidden 2-D matrices dufu.optim.Muon updates (dufu.optim.muon_param_groups): their
+    # elements, of those the ones tensor parallelism splits and the MoE experts', and every matrix's (A, B), A <= B
+    muon: int = 0
+    muon_tp_split: int = 0
+    muon_experts: int = 0
+    muon_shapes: list = field(default_factory=list)
 
 
 @dataclass
@@ -327,11 +334,11 @@ def _signature(block: nn.Module) -> tuple:
 def shortening(model: nn.Module) -> tuple[dict, list[int]]:
     """Which blocks a trace keeps, and for every part of the model the traced part it repeats.
 
-    Of every stack whose blocks are all alike, three are kept: the first, the last but one (standing for every
-    middle block) and the last (the blocks next to the embeddings and the head see their neighbours' tensors saved
-    and freed differently). A ``ModuleList`` stack (a transformers model's layers) is traced whole: the trace
-    removes blocks by key, which only a ``ModuleDict`` keeps. Returns ({container: [(key, block) removed]},
-    mapping)."""
+    Of every run of alike consecutive blocks in a stack (a whole stack, or DeepSeek's dense first blocks and its
+    MoE blocks apart), three are kept: the first, the last but one (standing for every middle block) and the last
+    (the blocks next to the embeddings and the head see their neighbours' tensors saved and freed differently). A
+    ``ModuleList`` stack (a transformers model's layers) is traced whole: the trace removes blocks by key, which
+    only a ``ModuleDict`` keeps. Returns ({container: [(key, block) removed]}, mapping)."""
     containers: dict[str, list[tuple[str, nn.Module]]] = {}
     for name, b in transformer_blocks(model):
         containers.setdefault(name.rsplit(".", 1)[0], []).append((name.rsplit(".", 1)[1], b))
@@ -339,17 +346,30 @@ def shortening(model: nn.Module) -> tuple[dict, list[int]]:
     kept_index = []  # for every block of the full model: the traced block it maps to
     traced = 0
     for cname, members in containers.items():
-        n = len(members)
         listed = isinstance(model.get_submodule(cname), nn.ModuleList)
-        if listed or len({_signature(b) for _, b in members}) != 1 or n <= 3:
-            kept_index.extend(traced + j for j in range(n))
-            traced += n
+        if listed:
+            kept_index.extend(traced + j for j in range(len(members)))
+            traced += len(members)
             continue
-        for j, (key, b) in enumerate(members):
-            kept_index.append(traced + (0 if j == 0 else 2 if j == n - 1 else 1))
-            if 0 < j < n - 2:
-                removed.setdefault(cname, []).append((key, b))
-        traced += 3
+        # runs of alike blocks (DeepSeek's dense first blocks, then its MoE blocks), each shortened on its own
+        runs: list[list] = []
+        for key, b in members:
+            sig = _signature(b)
+            if runs and runs[-1][0] == sig:
+                runs[-1][1].append((key, b))
+            else:
+                runs.append([sig, [(key, b)]])
+        for _, run in runs:
+            n = len(run)
+            if n <= 3:
+                kept_index.extend(traced + j for j in range(n))
+                traced += n
+                continue
+            for j, (key, b) in enumerate(run):
+                kept_index.append(traced + (0 if j == 0 else 2 if j == n - 1 else 1))
+                if 0 < j < n - 2:
+                    removed.setdefault(cname, []).append((key, b))
+            traced += 3
     return removed, [0] + [1 + i for i in kept_index] + [1 + traced]
 
 
@@ -366,6 +386,7 @@ def _parts(model: nn.Module, blocks: list, end_units) -> tuple[list[Part], int]:
             if kind in ("ColwiseParallel",) or (kind == "RowwiseParallel" and pname == "weight"):
                 split.add(id(p))
     experts = {id(p) for _, m in expert_modules(model) for p in m.parameters()}
+    muon = {id(p) for g in muon_param_groups(model) if g["use_muon"] for p in g["params"]}
     layout = declared.pipeline_layout or {}
     block_names = [n for n, _ in blocks]
     owner_block = {}
@@ -409,6 +430,11 @@ def _parts(model: nn.Module, blocks: list, end_units) -> tuple[list[Part], int]:
             part.trainable += p.numel()
             part.trainable_tp_split += p.numel() if id(p) in split else 0
             part.trainable_experts += p.numel() if id(p) in experts else 0
+        if id(p) in muon:
+            part.muon += p.numel()
+            part.muon_tp_split += p.numel() if id(p) in split else 0
+            part.muon_experts += p.numel() if id(p) in experts else 0
+            part.muon_shapes.append(tuple(sorted(p.shape)))
     embeddings, last = end_units(model)
     parts[0].embedding_unit = sum(p.numel() for m in embeddings for p in m.parameters())
     tied_elems = 0

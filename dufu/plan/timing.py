@@ -39,7 +39,14 @@ network bandwidth) for k members per node (NCCL drives every node's NICs in para
   tokens (:mod:`dufu.plan.context`), and data parallelism's group is the data axis, dp x cp ranks;
 * pipeline parallelism: each micro-batch sends its activations forward and their gradients back at every stage
   boundary; 1F1B and GPipe take (m + pp - 1) slots of the slowest stage's forward + backward, interleaved 1F1B
-  with v chunks m + (pp - 1) / v (Narayanan et al. 2021, eq. 1 and 2).
+  with v chunks m + (pp - 1) / v (Narayanan et al. 2021, eq. 1 and 2); the V schedules (ZB-V, Qi et al. 2024;
+  DualPipeV, DeepSeek-V3's DualPipe cut in half) m + (pp - 1) / 6: torch's action lists leave each rank (pp - 1)
+  idle units of a stage's forward (F = I = W, a slot being 6: two stages' F, I and W), the simulated bubble of
+  benchmarks/results/pipeline_bubble-2026-11-29.md (2.0% at pp 2, 5.9% at pp 4, 8 micro-batches).
+
+Muon (:func:`muon_step`) streams one momentum buffer for its matrices (4 B read and written less than AdamW), and
+adds their Newton-Schulz iterations, whole on every rank, and the all-gathers of the sharded ones' updates; SGD
+streams 4 + 4 + 4 read and 4 + 4 written per parameter (no momentum: 4 + 4 and 4).
 
 The optimizer step (fused AdamW, and the gradient-norm clip) streams the rank's parameters, gradients and moments
 through memory: 4 + 4 + 8 bytes read and 4 + 8 written per parameter it updates (in a delta run, the delta's only;
@@ -56,11 +63,15 @@ from __future__ import annotations
 import os
 
 from dufu.config import LazyConfig, resolve_config_path
-from dufu.plan.comm import collective, cp_comm, data_parallel_groups, ep_comm, group_link, tp_comm
+from dufu.plan.comm import (collective, cp_comm, data_parallel_groups, ep_comm, group_link, replica_all_reduce,
+                            tp_comm)
 from dufu.plan.cpu import CALIBRATION_BATCH, CALIBRATION_MODEL
+from dufu.parallel.pipeline import V_SCHEDULES
 from dufu.plan.hardware import Hardware
 from dufu.plan.layout import MULTI_STAGE_SCHEDULES, Layout, Setup
-from dufu.plan.memory import _events_by_part, _storage_bytes, expert_elems, owned, part_elems, rank_parts
+from dufu.plan.memory import (_events_by_part, _storage_bytes, expert_elems, owned, part_elems,
+                              rank_parts)
+from dufu.plan.optimizer import muon_elems
 from dufu.plan.shapes import ModelInfo, Trace, build_model_info, lin
 from dufu.plan.trace import get_trace
 
@@ -227,6 +238,33 @@ def fsdp_copies(nbytes: float, dp: int, zero: int, m: int, gathers: int, pricer:
     return 2.0 * copied / pricer.rates["stream"] + pricer.fresh(fresh)
 
 
+def muon_step(info: ModelInfo, parts: list[int], layout: Layout, setup: Setup, hw: Hardware,
+              pricer: Pricer) -> float:
+    """Seconds of what Muon adds to the optimizer step of a rank holding ``parts`` (:mod:`dufu.optim.muon`): every
+    rank orthogonalises every one of its matrices whole, 5 Newton-Schulz steps of an (A, B) matrix (A <= B): the
+    Gram matrix (2 A^2 B FLOPs), its polynomial (2 A^3) and the product with the iterate (2 A^2 B), each priced as a
+    matmul of its shape in the Newton-Schulz dtype; before that, one all-gather of each sharded matrix's update
+    (fp32): over the ZeRO shard group, and over the tensor-parallel ranks for the matrices they split."""
+    dtype = setup.muon_ns_dtype
+    if dtype == "auto":  # dufu.optim.muon.ns_dtype_for: bf16 where the device multiplies it fast
+        dtype = "bf16" if hw.peak("bf16", pricer.threads) >= 1.5 * hw.peak("fp32", pricer.threads) else "fp32"
+    t = 0.0
+    for p in parts:
+        for a, b in info.parts[p].muon_shapes:
+            t += 5 * (2 * (2.0 * a * a * b) / pricer.rate(dtype, a, a, b) + 2.0 * a ** 3 / pricer.rate(dtype, a, a, a))
+    t *= pricer.calibration
+    tp, S = layout.tensor_parallel_size, layout.data_shard_size
+    elems, _ = muon_elems(info, parts, tp, layout.expert_parallel_size)
+    if layout.zero_stage and S > 1:
+        bw, lat = group_link(hw, S, tp)
+        bw = min(bw, hw.all_gather_bandwidth) if hw.all_gather_bandwidth else bw
+        t += collective("all_gather", 4.0 * elems, S, bw, lat)
+    if tp > 1:
+        split = sum(info.parts[p].muon_tp_split for p in parts)
+        t += collective("all_gather", 4.0 * split, tp, *group_link(hw, tp, 1))
+    return t
+
+
 def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, hw: Hardware,
                   world_size: int) -> tuple[dict, dict]:
     """(seconds per optimizer step by part, details) for ``layout``; see the module docstring."""
@@ -275,7 +313,11 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
     worst = max(range(len(per_rank)), key=lambda i: slot[i])
     w = per_rank[worst]
     t_slot = slot[worst]
-    if pp > 1 and layout.pipeline_schedule in MULTI_STAGE_SCHEDULES and v > 1:
+    if pp > 1 and layout.pipeline_schedule in V_SCHEDULES:
+        # torch's ZB-V / DualPipeV action lists leave each rank idle for (pp - 1) stage-forwards (F = I = W); a
+        # slot, the rank's two stages' forward and backward, is 6 of them
+        bubble = (pp - 1) * t_slot / 6
+    elif pp > 1 and layout.pipeline_schedule in MULTI_STAGE_SCHEDULES and v > 1:
         bubble = (pp - 1) / v * t_slot
     elif pp > 1:
         bubble = (pp - 1) * t_slot
@@ -309,7 +351,7 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
         gloo = hw.synchronous
         reduce_kind = "all_reduce" if (not zero or gloo) else "reduce_scatter"
         reduce = sum(collective(reduce_kind, nbytes, n, bw, 0.0) + u * 2 * (n - 1) * lat
-                     for nbytes, n, bw, lat, u in grads)
+                     + replica_all_reduce(nbytes, u, layout, hw) for nbytes, n, bw, lat, u in grads)
         gather_one = 0.0
         if zero:
             for nbytes, n, bw, lat, u in groups:
@@ -347,9 +389,16 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
     compute += (m - 1) * 12.0 * trained / pricer.rates["elementwise"] * share
     # the optimizer step: fused AdamW and the gradient-norm clip stream the owned state of what trains
     mine = owned(1.0, trained, expert_elems(info, parts, ep, trainable=True), layout)
-    optimizer = (28.0 * mine / pricer.rates["optimizer"]
+    streamed = 28.0 * mine
+    if setup.optimizer == "sgd":
+        streamed = (20.0 if setup.sgd_momentum else 12.0) * mine
+    elif setup.optimizer == "muon":
+        streamed -= 8.0 * owned(1.0, *muon_elems(info, parts, tp, ep), layout)  # one buffer, not two moments
+    optimizer = (streamed / pricer.rates["optimizer"]
                  + (4.0 * mine / pricer.rates["elementwise"] if setup.clip_grad else 0.0)
                  + 40 * hw.op_overhead_s) * share
+    if setup.optimizer == "muon":
+        optimizer += muon_step(info, parts, layout, setup, hw, pricer) * share
     # FSDP2's copies into and out of its communication buffers run on the critical path, between the computation
     step = compute + dp_copies + tp_time + ep_time + cp_time + p2p + bubble + dp_exposed + optimizer
     times = {"compute": compute, "dp_copies": dp_copies, "tp_comm": tp_time, "ep_comm": ep_time, "cp_comm": cp_time,
@@ -357,5 +406,6 @@ def estimate_time(info: ModelInfo, trace: Trace, layout: Layout, setup: Setup, h
              "dp_comm_exposed": dp_exposed,
              "bubble": bubble, "p2p": p2p, "optimizer": optimizer}
     details = {"step_time_s": step, "flops_per_rank_step": m * flops_total, "slowest_pipeline_rank": worst,
+               "slot_s": t_slot,
                "threads_per_process": pricer.threads, "core_share": share}
     return times, details

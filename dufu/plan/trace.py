@@ -17,10 +17,11 @@ parallel ranks: outputs of column-parallel projections, attention heads, vocabul
 all-gathers those outputs' gradients and still all-reduces the column-parallel inputs' gradients (checked by
 counting the ``_c10d_functional`` ops of a traced GPT block on a fake process group).
 
-Transformer blocks of one stack are identical, so only three blocks of each stack are traced, the first, one in
-the middle that stands for all the middle ones, and the last (a 145B GPT traces in well under a second); stacks whose blocks differ (Swin's stages)
-are traced whole. Two traces, at micro-batch 2 and 3, make every size a linear function of the micro-batch
-(tables such as rotary angles and weight casts do not grow with it).
+Transformer blocks of one stack are identical, so only three blocks of each run of alike blocks are traced, the
+first, one in the middle that stands for all the middle ones, and the last (a 145B GPT traces in well under a
+second; DeepSeek's dense first blocks and its MoE blocks are two runs); runs of three or fewer are traced whole.
+Two traces, at micro-batch 2 and 3, make every size a linear function of the micro-batch (tables such as rotary
+angles and weight casts do not grow with it).
 
 Mixture-of-experts layers are traced with balanced routing, and under expert parallelism as one rank of ``ep``
 (its ``E / ep`` experts, the token exchange stood in for): :mod:`dufu.plan.experts`. Under context parallelism the
@@ -86,22 +87,24 @@ def _to_fake(model: nn.Module, mode) -> None:
 
 
 def get_trace(info: ModelInfo, dtype: str, checkpoint: Optional[str], device: str = "cpu", ep: int = 1,
-              cp: int = 1) -> Trace:
+              cp: int = 1, a2a: int = 1) -> Trace:
     """The traced step of ``info``'s model in ``dtype`` ("fp32", "bf16", "fp16": autocast) with activation
     checkpointing ``checkpoint`` (None, "selective", "full"), as it runs on ``device`` ("cpu" or "cuda"), on one
     rank of ``ep`` expert-parallel ranks (a MoE model's; see :mod:`dufu.plan.experts`) and of ``cp`` context-
-    parallel ranks (:mod:`dufu.plan.context`); computed once per model and variant.
+    parallel ranks with all-to-alls of heads over ``a2a`` of them (:mod:`dufu.plan.context`); computed once per
+    model and variant.
 
     The devices differ in one kernel choice: with attention dropout, torch's CPU attention falls back to the
     unfused math (the (T, T) scores, softmax and dropout mask materialized), while CUDA's fused kernels
     (FlashAttention, memory-efficient attention) apply dropout inside the kernel from a saved RNG state. A
     "cuda" trace therefore runs attention without dropout, which takes the fused CPU kernel of the same shapes."""
-    key = (dtype, checkpoint, device) + ((ep,) if ep != 1 else ()) + ((("cp", cp),) if cp != 1 else ())
+    key = (dtype, checkpoint, device) + ((ep,) if ep != 1 else ()) + ((("cp", cp),) if cp != 1 else ()) + (
+        (("a2a", a2a),) if a2a != 1 else ())
     with info.lock:
         if key not in info.traces:
             # micro-batches 2 and 3: at 1 some broadcasts need no reduction (a different op sequence)
-            two = _trace_once(info, dtype, checkpoint, 2, device, ep, cp)
-            three = _trace_once(info, dtype, checkpoint, 3, device, ep, cp)
+            two = _trace_once(info, dtype, checkpoint, 2, device, ep, cp, a2a)
+            three = _trace_once(info, dtype, checkpoint, 3, device, ep, cp, a2a)
             trace = _combine(two, three)
             trace.dtype, trace.checkpoint, trace.expert_parallel_size = dtype, checkpoint, ep
             trace.context_parallel_size = cp
@@ -110,7 +113,7 @@ def get_trace(info: ModelInfo, dtype: str, checkpoint: Optional[str], device: st
 
 
 def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: int, device: str,
-                ep: int = 1, cp: int = 1) -> "Recorder":
+                ep: int = 1, cp: int = 1, a2a: int = 1) -> "Recorder":
     reduced = _shortened(info)
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     _to_fake(reduced, mode)
@@ -125,7 +128,7 @@ def _trace_once(info: ModelInfo, dtype: str, checkpoint: Optional[str], batch: i
     with mode:
         inputs = info.inputs(batch)
         if cp > 1:  # before checkpointing, as dufu.parallel.parallelize applies them
-            inputs = split_for_context_parallel(reduced, inputs, cp, device)
+            inputs = split_for_context_parallel(reduced, inputs, cp, device, a2a)
     if checkpoint:
         _checkpoint(reduced, checkpoint, ep)
     reduced.train()
@@ -230,7 +233,7 @@ def _combine(one: Recorder, two: Recorder) -> Trace:
         other = two.kv_gathers[i] if len(two.kv_gathers) == len(one.kv_gathers) else None
         gathers.append(KVGather(call["part"], call["kind"], fit(float(call["nbytes"]),
                                                                float(other["nbytes"]) if other else None),
-                                call["split"], call["backward"]))
+                                call["split"], call["backward"], call.get("ranks", 0)))
     parts = ["first"] + [f"block {i}" for i in range(len(one.blocks))] + ["last"]
     return Trace("", None, parts, ops, list(one.events), storages, linears, boundary, one.logits_part, experts,
                  kv_gathers=gathers)

@@ -235,7 +235,8 @@ def test_recipes_have_the_published_sizes_and_plan(recipe, total, active_matmul,
     info = model_info(cfg)
     assert info.num_params == total
     layers, hidden, seq = model.num_layers, model.hidden_size, cfg.dataloader.train.seq_length
-    assert info.flops_per_token == pytest.approx(6 * active_matmul + 12 * layers * hidden * seq, rel=1e-12)
+    heads, head_dim = shapes[3], shapes[5]  # attention over heads x head_dim features (30B-A3B: 4096, hidden 2048)
+    assert info.flops_per_token == pytest.approx(6 * active_matmul + 12 * layers * heads * head_dim * seq, rel=1e-12)
     # a layout of the recipe on H100s, ZeRO-3 over all ranks: the dense model on 8, the MoE one on 64 with the
     # experts split 64 ways (2 per rank; the planner's trace then loops over 2 experts, not 128: seconds, not
     # a minute), without activation checkpointing (its trace costs twice the time)

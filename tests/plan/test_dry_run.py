@@ -190,3 +190,23 @@ def test_a_pipeline_layout_is_not_executed_and_says_so(tmp_path):
     [report] = rehearse(cfg, 2, [0])
     assert report.executed is None and "pipeline" in report.executed_note and report.collectives
     assert report.as_dict()["executed_collectives"] is None
+
+
+def test_hybrid_sharding_and_muon_hold_and_issue_what_the_planner_says(tmp_path):
+    """HSDP (2 replicas of 2 shards) with Muon: the rank's states are those the planner predicts (Muon's one momentum
+    buffer for the hidden matrices), and the executed micro-batch issues the derived collectives: FSDP2's gathers and
+    reduce-scatters over the shard group, the gradient shards' all-reduce across the replicas."""
+    cfg = load("gpt_debug_muon", f"train.output_dir={tmp_path / 'run'}", *GPT_STEP, "train.dist.data_parallel_size=4",
+               "train.dist.data_parallel_replicate_size=2", "train.zero_optimization.enabled=True",
+               "train.zero_optimization.stage=3")
+    [report] = rehearse(cfg, 4, [0])
+    # within 5% of the planner's states: AdamW's 8 B for gpt_debug's hidden matrices (98,304 of 126,720 trained
+    # elements) would be 1.6 times Muon's optimizer state
+    assert_states_agree([report])
+    groups = {c["group"] for c in report.collectives}
+    assert {"dp_shard", "dp_replicate"} <= groups and "data" not in groups
+    executed = _by_op(report.executed)
+    accum = 1  # global 8 = micro 2 x dp 4
+    derived = _by_op(report.collectives, per=accum)
+    assert executed == derived
+    assert executed[("all_reduce", "dp_replicate")][0] > 0

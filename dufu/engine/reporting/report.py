@@ -24,10 +24,44 @@ from dufu.models.base import contract_of
 
 
 def model_flops_per_token(model, seq_length: int) -> float:
-    """The model FLOPs of one trained token (6N + 12*L*H*T), for MFU."""
+    """The model FLOPs of one trained token (6N + 12*L*H*T), for MFU.
+
+    12 L H T is, per layer, 6 T (d_qk + d_v): forward and backward (x 3) of the scores q k^T (2 T d_qk per token)
+    and of their product with the values (2 T d_v), where d_qk = d_v = H = heads x head dimension. A model whose
+    attention has other widths counts them per attention module (:func:`attention_widths`): multi-head latent
+    attention (DeepSeek-V2/V3) has heads x (qk_nope + qk_rope) query/key and heads x v_head_dim value features,
+    Qwen3's heads x head_dim is not its hidden size; a multi-token-prediction module (DeepSeek-V3's ``mtp``) counts
+    as its parameters do (every trained token passes through it), with the output head it shares once more per
+    depth."""
     declared = contract_of(model)
+    widths = attention_widths(model)
+    if widths is not None:
+        params = count_matmul_params(model)
+        head = declared.output_head()
+        if getattr(model, "mtp", None) is not None and head is not None:
+            # each multi-token-prediction depth runs the output head it shares with the main model once more
+            params += len(model.mtp) * head.weight.numel()
+        return 6.0 * params + 6.0 * seq_length * sum(qk + v for qk, v in widths)
     attention_layers = declared.attention_layers or 0  # T5: encoder + decoder
     return flops_per_token(count_matmul_params(model), attention_layers, declared.hidden_size or 0, seq_length)
+
+
+def attention_widths(model) -> list[tuple[int, int]] | None:
+    """(query/key, value) features of every attention module of ``model`` (heads x per-head dimension), or None
+    when every one is the usual heads x head_dim = its input width (12 L H T counts those exactly)."""
+    from dufu.layers.attention import Attention
+    from dufu.layers.mla import MLA
+
+    widths, usual = [], True
+    for m in model.modules():
+        if isinstance(m, MLA):
+            widths.append((m.num_heads * m.qk_head_dim, m.num_heads * m.v_head_dim))
+            usual = False
+        elif isinstance(m, Attention):
+            width = m.num_heads * m.head_dim
+            widths.append((width, width))
+            usual = usual and width == getattr(getattr(m, "q_proj", None), "in_features", width)
+    return None if usual else widths
 
 
 def describe(runtime, planned=None) -> str:
