@@ -164,6 +164,7 @@ class Trainer:
                     for name, part in getattr(out, "loss_parts", {}).items():  # logged beside the loss, as it is
                         weighted = local_scalar(rt.loss.weighted(part.detach(), inputs))
                         self._loss_parts[name] = self._loss_parts.get(name, 0.0) + weighted
+                    del out  # not its logits through the backward (the memory a step peaks at)
                 loss = rt.loss.weighted(loss, inputs)
             rt.loss.scaled(loss).backward()  # outside autocast (torch's advice)
         return local_scalar(loss)
