@@ -65,6 +65,29 @@ def padding_mask_to_bias(attention_mask: torch.Tensor, dtype: torch.dtype) -> to
     return torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device).masked_fill(~keep, torch.finfo(dtype).min)
 
 
+def document_starts(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None
+                    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(starts, real) of rows of ``position_ids`` (B|1, T): ``starts`` True where a token starts a document (its
+    position does not continue the previous real token's), ``real`` the padding mask ``attention_mask`` (B, T) as
+    booleans (1 = token), or None without one. The one rule :func:`document_mask` and context parallelism's
+    document numbers (:func:`dufu.parallel.context_parallel.document_numbers`) both read."""
+    T = position_ids.shape[-1]
+    if attention_mask is None:
+        return F.pad(position_ids[:, 1:] != position_ids[:, :-1] + 1, (1, 0), value=True), None  # (B|1, T)
+    if attention_mask.dim() != 2 or attention_mask.shape[-1] != T:
+        raise ValueError(
+            f"document masks from position_ids {tuple(position_ids.shape)} combine with a (B, {T}) padding mask "
+            f"only, got attention_mask {tuple(attention_mask.shape)}; give the padding mask, or no position_ids."
+        )
+    real = attention_mask.to(torch.bool)  # (B, T)
+    position_ids = position_ids.expand(real.shape[0], T)
+    index = torch.arange(T, device=real.device).expand_as(real)
+    last_real = torch.where(real, index, -1).cummax(-1).values  # (B, T): latest real token at or before t
+    before = F.pad(last_real[:, :-1], (1, 0), value=-1)  # latest real token before t (-1: none)
+    continued = position_ids.gather(-1, before.clamp(min=0)) + 1 == position_ids
+    return real & ((before < 0) | ~continued), real  # (B, T)
+
+
 def document_mask(position_ids: torch.Tensor, attention_mask: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """The attention mask of packed samples (or of the documents inside a pretraining sample), read from their
     ``position_ids`` (B|1, T): a token starts a new document wherever its position does not continue the
@@ -90,22 +113,7 @@ def document_mask(position_ids: torch.Tensor, attention_mask: Optional[torch.Ten
     if position_ids.dim() == 1:
         position_ids = position_ids[None]
     T = position_ids.shape[-1]
-    if attention_mask is None:
-        starts = F.pad(position_ids[:, 1:] != position_ids[:, :-1] + 1, (1, 0), value=True)  # (B|1, T)
-        real = None
-    else:
-        if attention_mask.dim() != 2 or attention_mask.shape[-1] != T:
-            raise ValueError(
-                f"document masks from position_ids {tuple(position_ids.shape)} combine with a (B, {T}) padding mask "
-                f"only, got attention_mask {tuple(attention_mask.shape)}; give the padding mask, or no position_ids."
-            )
-        real = attention_mask.to(torch.bool)  # (B, T)
-        position_ids = position_ids.expand(real.shape[0], T)
-        index = torch.arange(T, device=real.device).expand_as(real)
-        last_real = torch.where(real, index, -1).cummax(-1).values  # (B, T): latest real token at or before t
-        before = F.pad(last_real[:, :-1], (1, 0), value=-1)  # latest real token before t (-1: none)
-        continued = position_ids.gather(-1, before.clamp(min=0)) + 1 == position_ids
-        starts = real & ((before < 0) | ~continued)  # (B, T)
+    starts, real = document_starts(position_ids, attention_mask)
     if not bool((starts.sum(-1) <= 1).all()):  # at most the first token of each row starts a document
         doc = starts.long().cumsum(-1)  # (B|1, T): which document each token is in
         causal = torch.ones(T, T, dtype=torch.bool, device=doc.device).tril()

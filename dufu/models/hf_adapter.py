@@ -232,6 +232,30 @@ def _convert(conv, value, key: str, hint: str):
     return conv(value)
 
 
+def rope_parameters(hf: Mapping) -> tuple[float, str, dict]:
+    """(rope_theta, rope_type, the scaling's other parameters) of a transformers config, from transformers 5's
+    ``rope_parameters`` or the older ``rope_theta`` / ``rope_scaling`` keys (a legacy ``rope_scaling`` fills in a
+    default ``rope_parameters``); each family checks the types it supports."""
+    params = dict(hf.get("rope_parameters") or {})  # transformers >= 5
+    legacy = hf.get("rope_scaling")  # older configs: rope_theta + rope_scaling
+    if legacy and params.get("rope_type", params.get("type", "default")) == "default":
+        params = {**params, **legacy}
+    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
+    kind = params.pop("rope_type") if "rope_type" in params else params.get("type", "default")
+    params.pop("type", None)
+    return theta, kind, params
+
+
+def rope_to_hf(theta: float, scaling: Optional[dict]) -> dict:
+    """A model's rotary settings (``rope_theta``, ``rope_scaling`` or None) as the three config keys transformers
+    reads: ``rope_parameters`` (transformers 5) and the older ``rope_theta`` and ``rope_scaling``."""
+    rope = {"rope_type": "default", "rope_theta": theta}
+    if scaling:
+        rope = {**scaling, "rope_theta": theta}
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+    return {"rope_parameters": rope, "rope_theta": theta, "rope_scaling": dict(rope) if scaling else None}
+
+
 def attribute(model: nn.Module, path: str):
     """``model.a.b.0.c`` for ``path`` "a.b.0.c" (a number names a block of a ModuleDict / ModuleList)."""
     value = model

@@ -108,7 +108,7 @@ import torch.distributed._functional_collectives as funcol
 import torch.nn.functional as F
 from torch import nn
 
-from dufu.layers.attention import Attention
+from dufu.layers.attention import Attention, document_starts
 from dufu.parallel.context_kernels import _CausalChunks, _usable_on_this_gpu, causal_kernel
 from dufu.models.base import contract_of
 from dufu.torch_versions import has_single_functional_collectives
@@ -365,18 +365,7 @@ def document_numbers(position_ids: torch.Tensor, attention_mask: Optional[torch.
     attend to key s iff s <= t and doc(s) = |doc(t)| > 0, which is ``document_mask``'s mask (a test holds the two
     equal). Written here rather than read from the (B, 1, T, T) mask ``document_mask`` returns: a rank needs the
     numbers of its own tokens, T of them per row, not a mask quadratic in T."""
-    if attention_mask is None:
-        starts = F.pad(position_ids[:, 1:] != position_ids[:, :-1] + 1, (1, 0), value=True)  # (B|1, T)
-        real = None
-    else:
-        real = attention_mask.to(torch.bool)  # (B, T)
-        T = real.shape[-1]
-        position_ids = position_ids.expand(real.shape[0], T)
-        index = torch.arange(T, device=real.device).expand_as(real)
-        last_real = torch.where(real, index, -1).cummax(-1).values  # (B, T): latest real token at or before t
-        before = F.pad(last_real[:, :-1], (1, 0), value=-1)  # latest real token before t (-1: none)
-        continued = position_ids.gather(-1, before.clamp(min=0)) + 1 == position_ids
-        starts = real & ((before < 0) | ~continued)  # (B, T)
+    starts, real = document_starts(position_ids, attention_mask)
     if bool((starts.sum(-1) <= 1).all()):  # one document per row (its first token at most starts one)
         return None
     doc = starts.long().cumsum(-1)  # (B|1, T): 1, 2, .. in each row

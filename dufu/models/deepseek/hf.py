@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 
 from dufu.models.deepseek.model import DeepseekV3Model
-from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, UnsupportedHFValue
+from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, UnsupportedHFValue, rope_parameters, rope_to_hf
 from dufu.models.hub import register
 
 ROPE_TYPES = ("default", "yarn", "linear", "llama3")
@@ -36,12 +36,7 @@ ROPE_TYPES = ("default", "yarn", "linear", "llama3")
 def rope_from_hf(hf: Mapping) -> tuple[float, dict | None]:
     """(rope_theta, rope_scaling or None) from transformers 5's ``rope_parameters`` or the older
     ``rope_theta`` / ``rope_scaling`` keys."""
-    params = dict(hf.get("rope_parameters") or {})
-    legacy = hf.get("rope_scaling")
-    if legacy and params.get("rope_type", params.get("type", "default")) == "default":
-        params = {**params, **legacy}
-    theta = float(params.pop("rope_theta", hf.get("rope_theta", 10000.0)))
-    kind = params.pop("rope_type", params.pop("type", "default"))
+    theta, kind, params = rope_parameters(hf)
     if kind not in ROPE_TYPES:
         raise UnsupportedHFValue(f"rotary scaling {kind!r} is not supported by dufu's MLA; supported: "
                                  f"{', '.join(ROPE_TYPES)}.")
@@ -61,18 +56,13 @@ def _more_from_hf(hf: Mapping) -> dict:
 
 
 def _more_to_hf(model: DeepseekV3Model) -> dict:
-    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
-    if model.rope_scaling:
-        rope = {"rope_type": "default", **model.rope_scaling, "rope_theta": model.rope_theta}
     blocks = list(model.blocks.values())
     moe = [b.mlp for b in blocks if b.layer_idx >= model.first_k_dense]
     if moe and (moe[0].score_func != "sigmoid" or moe[0].score_bias is None or moe[0].capacity_factor is not None):
         raise UnsupportedHFValue("transformers' DeepseekV3 routes by sigmoid scores with a choice bias, dropless: "
                                  "this model's MoE layers (score_func, score_bias, capacity_factor) differ.")
     return {
-        "rope_parameters": rope,
-        "rope_theta": model.rope_theta,  # older transformers read these two
-        "rope_scaling": dict(rope) if model.rope_scaling else None,
+        **rope_to_hf(model.rope_theta, model.rope_scaling),
         "num_key_value_heads": model.num_attention_heads,
         "num_nextn_predict_layers": model.mtp_depth,
     }

@@ -14,7 +14,8 @@ Rotary settings are read from transformers 5's ``rope_parameters`` as well as fr
 from __future__ import annotations
 
 from dufu.errors import DufuError
-from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, in_first_block
+from dufu.models.hf_adapter import (ConfigField, HFConfigMap, HFMapping, in_first_block, rope_parameters,
+                                   rope_to_hf)
 from dufu.models.hub import register
 from dufu.models.llama.model import LlamaModel
 
@@ -23,12 +24,8 @@ ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen
 
 # ----------------------------------------------------------------------------- config
 def rope_from_hf(hf: dict) -> tuple[float, dict | None]:
-    params = dict(hf.get("rope_parameters") or {})  # transformers >= 5
-    legacy = hf.get("rope_scaling")  # older configs: rope_theta + rope_scaling
-    if legacy and params.get("rope_type", params.get("type", "default")) == "default":
-        params = {**params, **legacy}
-    theta = params.get("rope_theta", hf.get("rope_theta", 10000.0))
-    kind = params.get("rope_type", params.get("type", "default"))
+    """(rope_theta, rope_scaling or None) for dufu's LlamaModel: default, llama3 and linear scaling."""
+    theta, kind, params = rope_parameters(hf)
     if kind == "default":
         return float(theta), None
     if kind == "llama3":
@@ -103,16 +100,10 @@ def _more_to_hf(model) -> dict:
     """What a row cannot say: the biases pick the model_type (and so the architecture and its own keys), and
     the rotary settings are written in both layouts."""
     model_type = hf_model_type(model)
-    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
-    if model.rope_scaling:
-        rope = {**model.rope_scaling, "rope_theta": model.rope_theta}
-        rope.setdefault("rope_type", rope.pop("type", "default"))
     cfg = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
-        "rope_parameters": rope,
-        "rope_theta": model.rope_theta,  # older transformers read these two
-        "rope_scaling": dict(rope) if model.rope_scaling else None,
+        **rope_to_hf(model.rope_theta, model.rope_scaling),
     }
     if model_type == "llama":
         cfg["attention_bias"] = in_first_block("attn.q_proj.bias")(model) is not None

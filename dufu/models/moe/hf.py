@@ -26,7 +26,7 @@ from typing import Mapping
 import torch
 
 from dufu.errors import DufuError
-from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, UnsupportedHFValue
+from dufu.models.hf_adapter import ConfigField, HFConfigMap, HFMapping, UnsupportedHFValue, rope_to_hf
 from dufu.models.hub import register
 from dufu.models.llama.hf import refuse_sliding_window, rope_from_hf
 from dufu.models.moe.model import MoEModel
@@ -153,16 +153,10 @@ def _more_to_hf(model: MoEModel) -> dict:
     """What a row cannot say: the experts pick the model_type (and its own keys); the rotary settings are
     written in both layouts transformers reads."""
     model_type = hf_model_type(model)
-    rope = {"rope_type": "default", "rope_theta": model.rope_theta}
-    if model.rope_scaling:
-        rope = {**model.rope_scaling, "rope_theta": model.rope_theta}
-        rope.setdefault("rope_type", rope.pop("type", "default"))
     cfg = {
         "architectures": [ARCHITECTURES[model_type]],
         "model_type": model_type,
-        "rope_parameters": rope,
-        "rope_theta": model.rope_theta,  # older transformers read these two
-        "rope_scaling": dict(rope) if model.rope_scaling else None,
+        **rope_to_hf(model.rope_theta, model.rope_scaling),
         "output_router_logits": False,
     }
     if model_type == "mixtral":
