@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import json
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dufu.environment import environment  # noqa: F401 - the tests import it from here
 
 REPO = Path(__file__).resolve().parent.parent
+
+
+def load_benchmark(script: str):
+    """``benchmarks/<script>.py`` as a module (importing one runs nothing), imported as ``python
+    benchmarks/<script>.py`` runs it: the script's folder first on the path (benchmarks/harness and its sibling
+    modules), and the module in ``sys.modules`` while it executes (dataclasses look their module up then)."""
+    import pytest
+
+    spec = importlib.util.spec_from_file_location(f"bench_{script}", REPO / "benchmarks" / f"{script}.py")
+    module = importlib.util.module_from_spec(spec)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(REPO / "benchmarks"))
+        mp.setitem(sys.modules, spec.name, module)
+        spec.loader.exec_module(module)
+    return module
 
 # Overrides that make a gpt_debug run cheap without changing what it computes: no TensorBoard, no
 # evaluation, no generation, and a given peak FLOP/s instead of a measured one (MFU is still logged).

@@ -3,23 +3,16 @@ DeepSeek-style model, in this process, with every row of the result filled in.""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from dufu_testing import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_deepseek", REPO / "benchmarks" / "deepseek.py")
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/deepseek.py` has it (harness)
-        spec.loader.exec_module(module)
-    return module
+    return load_benchmark("deepseek")
 
 
 def test_quick_run_fills_every_row(bench, tmp_path, monkeypatch):

@@ -4,7 +4,6 @@ positive throughput, and both loops start from a proper initialisation on the sa
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -12,7 +11,7 @@ import statistics
 
 import pytest
 
-from launch import REPO
+from dufu_testing import load_benchmark
 
 # gpt_debug's and llama_debug's sizes (2 layers, hidden 64, vocabulary 384, sequence 32), counted by hand:
 # GPT: embeddings 384 x 64 + 32 x 64, per layer 2 norms (2 x 128) + q, k, v, out (4 x (64 x 64 + 64))
@@ -27,12 +26,7 @@ PARAMETERS = {
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_gpu", REPO / "benchmarks" / "gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/gpu.py` has it (harness)
-        spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu")
 
 
 def test_smoke_run_writes_every_row(bench, tmp_path, monkeypatch, dufu_cache_dir):

@@ -3,23 +3,16 @@ and the result files have every row filled in."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from dufu_testing import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_packing", REPO / "benchmarks" / "packing.py")
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/packing.py` has it (harness)
-        spec.loader.exec_module(module)
-    return module
+    return load_benchmark("packing")
 
 
 def test_quick_run_writes_the_table(bench, tmp_path, monkeypatch):

@@ -7,7 +7,6 @@ model end to end (one layout, its baseline, the prediction)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -17,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import launch
+from dufu_testing import load_benchmark
 
 REPO = Path(__file__).resolve().parents[1]
 MiB = 1024 * 1024
@@ -24,14 +24,7 @@ MiB = 1024 * 1024
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_plan_accuracy", REPO / "benchmarks" / "plan_accuracy.py")
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        # as `python benchmarks/plan_accuracy.py` has it: the script's folder first (parallel_memory.py, harness)
-        mp.syspath_prepend(str(REPO / "benchmarks"))
-        mp.setitem(sys.modules, spec.name, module)  # dataclasses look their module up while it is executed
-        spec.loader.exec_module(module)  # importing it runs nothing
-    return module
+    return load_benchmark("plan_accuracy")
 
 
 def _row(bench, key: str, peak_mib: tuple[float, float], step_s: float) -> dict:

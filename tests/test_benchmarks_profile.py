@@ -3,25 +3,16 @@ the categories add up to the profiled step, and the rules tell attention's softm
 
 from __future__ import annotations
 
-import importlib.util
 import types
-from pathlib import Path
 
 import pytest
 import torch
-
-REPO = Path(__file__).resolve().parents[1]
+from dufu_testing import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_train_step", REPO / "benchmarks" / "train_step.py")
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        # as `python benchmarks/train_step.py` has it: the script's folder first (benchmarks/harness)
-        mp.syspath_prepend(str(REPO / "benchmarks"))
-        spec.loader.exec_module(module)  # importing it sets nothing (the cache directory is set in main())
-    return module
+    return load_benchmark("train_step")
 
 
 TINY = dict(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=256, max_position_embeddings=32)

@@ -4,22 +4,15 @@ step, the worker server's lines beside the launcher, and a launch whose workers 
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from dufu_testing import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("bench_startup", REPO / "benchmarks" / "startup.py")
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "benchmarks"))  # as `python benchmarks/startup.py` has it (harness)
-        spec.loader.exec_module(module)
-    return module
+    return load_benchmark("startup")
 
 
 RUNTIME = {"plan": 0.5, "process group": 0.2, "precision": 1.0, "model build": 0.3, "teacher": 0.0, "optimizer": 0.1}
