@@ -13,6 +13,9 @@ label="${1:-}"
 repo="$(cd "$(dirname "$0")/.." && pwd)"
 work="$(mktemp -d)"
 git clone -q "$repo" "$work/clone"
+# A fresh machine has no compiled kernels: torch.compile's caches (Inductor's, Triton's) start empty in the run's
+# own directory instead of reusing /tmp/torchinductor_$USER from earlier runs.
+export TORCHINDUCTOR_CACHE_DIR="$work/inductor" TRITON_CACHE_DIR="$work/triton"
 if [ "$label" = "avx2" ]; then
   export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2
 fi
