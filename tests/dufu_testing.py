@@ -28,6 +28,13 @@ def load_benchmark(script: str):
         spec.loader.exec_module(module)
     return module
 
+
+def benchmark_result(directory, pattern: str) -> tuple[Path, dict]:
+    """The one result a benchmark run wrote into ``directory``: its table (the single ``pattern`` .md file there)
+    and the data of the .json beside it."""
+    (md,) = Path(directory).glob(pattern)
+    return md, json.loads(md.with_suffix(".json").read_text())
+
 # Overrides that make a gpt_debug run cheap without changing what it computes: no TensorBoard, no
 # evaluation, no generation, and a given peak FLOP/s instead of a measured one (MFU is still logged).
 FAST = (

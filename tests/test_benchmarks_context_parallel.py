@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import sys
@@ -12,6 +11,7 @@ import pytest
 
 import launch
 from launch import REPO
+from dufu_testing import benchmark_result
 
 
 @pytest.mark.multiprocess
@@ -20,8 +20,7 @@ def test_quick_run_writes_the_table(tmp_path):
     proc = launch.run([sys.executable, REPO / "benchmarks" / "context_parallel.py", "--quick", "--results-dir",
                        results], cwd=REPO, timeout=600)
     launch.assert_ok(proc)
-    (md,) = results.glob("context-parallel-*.md")
-    data = json.loads(md.with_suffix(".json").read_text())
+    md, data = benchmark_result(results, "context-parallel-*.md")
     assert md.with_suffix(".png").stat().st_size > 0
     assert data["machine"]["cpu"] and data["machine"]["torch"]
 

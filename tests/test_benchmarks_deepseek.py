@@ -3,11 +3,9 @@ DeepSeek-style model, in this process, with every row of the result filled in.""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from dufu_testing import load_benchmark
+from dufu_testing import benchmark_result, load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +16,7 @@ def bench():
 def test_quick_run_fills_every_row(bench, tmp_path, monkeypatch):
     monkeypatch.setenv("DUFU_CACHE_DIR", str(tmp_path / "cache"))
     assert bench.main(["--quick", "--results-dir", str(tmp_path)]) == 0
-    (md,) = tmp_path.glob("deepseek-*.md")
-    data = json.loads(md.with_suffix(".json").read_text())
+    md, data = benchmark_result(tmp_path, "deepseek-*.md")
     assert data["machine"]["cpu"] and len(data["load_start"]) == 3
     s = data["shape"]
 

@@ -4,14 +4,13 @@ positive throughput, and both loops start from a proper initialisation on the sa
 
 from __future__ import annotations
 
-import json
 import math
 import re
 import statistics
 
 import pytest
 
-from dufu_testing import load_benchmark
+from dufu_testing import benchmark_result, load_benchmark
 
 # gpt_debug's and llama_debug's sizes (2 layers, hidden 64, vocabulary 384, sequence 32), counted by hand:
 # GPT: embeddings 384 x 64 + 32 x 64, per layer 2 norms (2 x 128) + q, k, v, out (4 x (64 x 64 + 64))
@@ -33,8 +32,7 @@ def test_smoke_run_writes_every_row(bench, tmp_path, monkeypatch, dufu_cache_dir
     out = tmp_path / "results"
     monkeypatch.setenv("DUFU_CACHE_DIR", str(dufu_cache_dir))  # main() keeps it under --smoke; restored after
     assert bench.main(["--smoke", "--out", str(out), "--workdir", str(tmp_path)]) == 0
-    (md,) = out.glob("gpu-*-cpu.md")
-    data = json.loads(md.with_suffix(".json").read_text())
+    md, data = benchmark_result(out, "gpu-*-cpu.md")
     text = md.read_text()
     assert data["smoke"] is True and data["gpu"]["gpu"] == "cpu" and data["gpu"]["torch"]
     assert data["machine"]["cpu"]

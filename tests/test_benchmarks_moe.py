@@ -4,7 +4,6 @@ write the result files with every row filled in."""
 
 from __future__ import annotations
 
-import json
 import re
 import sys
 
@@ -12,6 +11,7 @@ import pytest
 
 import launch
 from launch import REPO
+from dufu_testing import benchmark_result
 
 
 @pytest.mark.multiprocess
@@ -20,8 +20,7 @@ def test_quick_run_writes_both_tables(tmp_path):
     proc = launch.run([sys.executable, REPO / "benchmarks" / "moe.py", "--quick", "--results-dir", results],
                       cwd=REPO, timeout=300)
     launch.assert_ok(proc)
-    (md,) = results.glob("moe-*.md")
-    data = json.loads(md.with_suffix(".json").read_text())
+    md, data = benchmark_result(results, "moe-*.md")
     text = md.read_text()
     assert md.with_suffix(".png").stat().st_size > 0
 

@@ -3,11 +3,9 @@ and the result files have every row filled in."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
-from dufu_testing import load_benchmark
+from dufu_testing import benchmark_result, load_benchmark
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +16,7 @@ def bench():
 def test_quick_run_writes_the_table(bench, tmp_path, monkeypatch):
     monkeypatch.setenv("DUFU_CACHE_DIR", str(tmp_path / "cache"))
     assert bench.main(["--quick", "--results-dir", str(tmp_path)]) == 0
-    (md,) = tmp_path.glob("packing-*.md")
-    data = json.loads(md.with_suffix(".json").read_text())
+    md, data = benchmark_result(tmp_path, "packing-*.md")
     assert data["recipe"] == "llama_sft" and data["machine"]["cpu"]
     (res,) = data["results"].values()
     padded, packed = res["padded"], res["packed"]
