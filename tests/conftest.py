@@ -6,7 +6,8 @@
 * ``debug_run``: one complete 10-step run (checkpoints at steps 5 and 10, evaluation, TensorBoard,
   generation), trained once per session; tests that change it work on a copy (``copy_run``).
 * ``run_cli``: ``python -m dufu ...`` in a subprocess, for the few tests where the exit code and
-  stderr of a real process matter. Every test starts processes through tests/launch.py.
+  stderr of a real process matter. Every test starts processes through tests/launch.py, forked from the session's
+  warm process server where a new interpreter would behave the same (tests/warm.py).
 * ``reference_run``: the single-process reference of a parity test (tests/parity.py), trained in this process
   once per session for each config and overrides, whichever tests compare with it.
 * ``shared_runs``: a module's multi-process runs in shared launches (tests/parity.py's SharedRuns), limited to
@@ -61,7 +62,16 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _checkpoint_runs_in_background(request, tmp_path_factory, dufu_cache_dir):
+def _warm_process_server(tmp_path_factory, dufu_cache_dir):
+    """The processes the tests start are forked from a server that imported torch and dufu once
+    (tests/warm.py), started with the session (after ``DUFU_CACHE_DIR`` is set: it is in the server's environment)."""
+    launch.start_warm_server(tmp_path_factory.mktemp("warm"))
+    yield
+    launch.stop_warm_server()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _checkpoint_runs_in_background(request, tmp_path_factory, dufu_cache_dir, _warm_process_server):
     """Start the checkpoint tests' background runs with the session, when any of those tests is selected."""
     if not any(item.get_closest_marker("checkpoint_jobs") for item in request.session.items):
         yield
@@ -180,7 +190,9 @@ def _no_process_outlives_the_session():
 
 def pytest_terminal_summary(terminalreporter):
     """Runs that passed only on their retry after a death by signal (tests/launch.py): counted and shown, so CI
-    tells when one happened."""
+    tells when one happened. And how the session's processes started (tests/warm.py)."""
+    terminalreporter.write_line(f"processes started: {launch.STARTS['forked']} forked from the warm server, "
+                                f"{launch.STARTS['new']} as new interpreters")
     if not launch.RETRIES:
         terminalreporter.write_line("no process was retried after a death by signal")
         return

@@ -36,6 +36,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
+import warm
+
 REPO = Path(__file__).resolve().parent.parent
 
 # Every retry of this test session: (command, what the process that died printed last).
@@ -138,12 +140,15 @@ def assert_ok(proc: Proc) -> None:
 
 
 def run(cmd: Sequence, *, timeout: float = 600, output_dir=None, scratch: Sequence = (), cwd=None,
-        env: Optional[dict] = None, fault: Optional[str] = None, retry: Optional[bool] = None) -> Proc:
+        env: Optional[dict] = None, fault: Optional[str] = None, retry: Optional[bool] = None,
+        on_start=None, new_interpreter: bool = False) -> Proc:
     """Run ``cmd`` to the end (see the module docstring). ``env`` adds variables; ``fault`` sets ``DUFU_FAULT``;
-    ``retry`` (default: when no fault is injected) allows the one retry after a death by signal."""
+    ``retry`` (default: when no fault is injected) allows the one retry after a death by signal; ``on_start(pid)``
+    is called when the process has started (its pid leads its session); ``new_interpreter``: never forked
+    from the warm server (tests/warm.py)."""
     cmd = [str(c) for c in cmd]
     fresh = output_dir is None or not Path(output_dir).exists()
-    proc = _run_once(cmd, timeout, output_dir, cwd, env, fault)
+    proc = _run_once(cmd, timeout, output_dir, cwd, env, fault, on_start, new_interpreter)
     if (fault is None if retry is None else retry) and fresh and _died_by_signal(proc):
         warnings.warn(f"a process died by a signal; retrying once: {' '.join(cmd[:8])} ...\n{proc.stderr[-1500:]}")
         RETRIES.append((" ".join(cmd[:8]) + " ...", proc.stderr[-1500:]))
@@ -152,7 +157,7 @@ def run(cmd: Sequence, *, timeout: float = 600, output_dir=None, scratch: Sequen
                 shutil.rmtree(d, ignore_errors=True)
                 if d in scratch:
                     Path(d).mkdir(parents=True)
-        proc = _run_once(cmd, timeout, output_dir, cwd, env, fault)
+        proc = _run_once(cmd, timeout, output_dir, cwd, env, fault, on_start, new_interpreter)
     return proc
 
 
@@ -162,8 +167,20 @@ class Started:
     def __init__(self, cmd, **kwargs):
         self._proc: Optional[Proc] = None
         self._error: Optional[BaseException] = None
-        self._thread = threading.Thread(target=self._main, args=(cmd, kwargs), daemon=True)
+        self._pid: Optional[int] = None
+        self._started = threading.Event()
+        self._thread = threading.Thread(target=self._main, args=(cmd, {**kwargs, "on_start": self._on_start}),
+                                        daemon=True)
         self._thread.start()
+
+    def _on_start(self, pid: int) -> None:
+        self._pid = pid
+        self._started.set()
+
+    def pid(self, timeout: float = 60) -> int:
+        """The pid of the process (the latest, after a retry), which leads a session of its own."""
+        assert self._started.wait(timeout), f"the process did not start within {timeout:.0f} s"
+        return self._pid
 
     def _main(self, cmd, kwargs):
         try:
@@ -198,10 +215,43 @@ def _child_env(extra: Optional[dict], fault: Optional[str]) -> dict:
     return env
 
 
-def _run_once(cmd: list[str], timeout: float, output_dir, cwd, env, fault) -> Proc:
+# How this session's processes started: forked from the warm server, or as new processes (conftest reports it).
+STARTS = {"forked": 0, "new": 0}
+
+_WARM: Optional[warm.Server] = None  # the session's warm process server (tests/warm.py), if started
+
+
+def start_warm_server(directory) -> None:
+    """Fork this session's ``python -m dufu ...`` and ``python SCRIPT.py ...`` processes from a warm server from
+    now on (tests/warm.py), unless ``DUFU_TEST_FRESH_PROCESSES=1``."""
+    global _WARM
+    if _WARM is None and os.environ.get("DUFU_TEST_FRESH_PROCESSES") != "1":
+        _WARM = warm.Server(_child_env(None, None), Path(directory))
+
+
+def stop_warm_server() -> None:
+    global _WARM
+    if _WARM is not None:
+        _WARM.stop()
+        _WARM = None
+
+
+def _popen(cmd: list[str], env: dict, cwd, new_interpreter: bool = False):
+    """``cmd`` started in a session of its own, its output piped: forked from the warm server when it can be."""
+    if _WARM is not None and not new_interpreter and warm.eligible(cmd, env, _WARM.env):
+        STARTS["forked"] += 1
+        return _WARM.popen(cmd, env, cwd)
+    STARTS["new"] += 1
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+
+
+def _run_once(cmd: list[str], timeout: float, output_dir, cwd, env, fault, on_start=None,
+              new_interpreter: bool = False) -> Proc:
     start_time = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env=_child_env(env, fault), cwd=cwd, start_new_session=True)
+    proc = _popen(cmd, _child_env(env, fault), cwd, new_interpreter)
+    if on_start is not None:
+        on_start(proc.pid)
     live = (proc, str(output_dir) if output_dir is not None else None)
     with _LIVE_LOCK:
         _LIVE.add(live)

@@ -62,25 +62,6 @@ def test_a_preempted_run_saves_exits_75_and_resumes_exactly(fault, nproc, uninte
 # ------------------------------------------------------------------------------------------ Ctrl-C
 
 
-def _started_here(out: Path, timeout: float = 60) -> int:
-    """The pid of the run this test started into ``out`` (one process, or the launcher of its workers), which
-    leads a process group of its own (launch.run starts it in a new session)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                ppid = int(re.search(r"^PPid:\s*(\d+)", (entry / "status").read_text(), re.M).group(1))
-            except (OSError, AttributeError):
-                continue
-            if ppid == os.getpid() and f"train.output_dir={out}".encode() in argv:
-                return int(entry.name)
-        time.sleep(0.02)
-    raise AssertionError(f"no process of this test trains into {out} after {timeout} s")
-
-
 def _wait_for(ready, pid: int, run: launch.Started, what: str, timeout: float = 300) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
@@ -122,7 +103,7 @@ def _ctrl_c(nproc: int, out: Path, *overrides: str, fault: str) -> tuple[launch.
     layout = (DP2,) if nproc > 1 else ()
     run = launch.start(launch.train_command("gpt_debug", out, nproc, *RUN, *layout, *overrides), output_dir=out,
                        fault=fault, timeout=300)
-    pid = _started_here(out)
+    pid = run.pid()
     _wait_for(lambda: _logged_steps(out) >= 1, pid, run, "a logged step")
     os.killpg(pid, signal.SIGINT)
     return run.result(), pid
@@ -154,7 +135,7 @@ def test_a_second_ctrl_c_abandons_the_save_at_once_and_keeps_the_previous_checkp
     layout = (DP2,)
     run = launch.start(launch.train_command("gpt_debug", out, 2, *RUN, *layout, "train.checkpointer.period=2"),
                        output_dir=out, fault="slow:*:1,hang_in_save:0:3", timeout=300)
-    pid = _started_here(out)
+    pid = run.pid()
     previous = out / "checkpoints" / "step_0000002"
     _wait_for(previous.exists, pid, run, "the checkpoint of step 2")
     os.killpg(pid, signal.SIGINT)

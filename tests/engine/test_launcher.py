@@ -30,7 +30,9 @@ def test_a_failed_worker_fails_the_launch_with_torchruns_report(tmp_path):
     assert proc.returncode == 1, proc.describe()
     assert "ChildFailedError" in proc.stderr and "exitcode  : 1" in proc.stderr, proc.describe()
     assert "rank      : 1" in proc.stderr, proc.describe()  # torchrun's summary names the failed rank
+    # a new interpreter, as a user starts it (its worker server a new interpreter too), not a fork of the tests'
+    # warm process server (tests/warm.py)
     ok = launch.run(launch.train_command("gpt_debug", tmp_path / "ok", 2, *ARGS), output_dir=tmp_path / "ok",
-                    timeout=300)
+                    timeout=300, new_interpreter=True)
     launch.assert_ok(ok)
     assert (tmp_path / "ok" / "metrics.jsonl").read_text().count('"loss"') == 3
