@@ -21,8 +21,8 @@ its own environment and pid as a new interpreter importing dufu.cli.workers woul
 
 Only what a new interpreter would do identically is forked: the command is ``sys.executable -m dufu`` or
 ``sys.executable SCRIPT.py`` (no interpreter options), and the environment equals the server's except for
-``DUFU_*`` variables, which dufu reads when it runs, not when it is imported, and pytest's
-``PYTEST_CURRENT_TEST`` (:func:`eligible`). Anything else
+``DUFU_*`` variables, which dufu reads when it runs, not when it is imported, and a few others read only at run
+time (:data:`RUN_TIME_PREFIXES`, :func:`eligible`). Anything else
 (``-c``, other programs, another ``OMP_NUM_THREADS`` or ``PYTHONPATH``) starts as a new process, as before.
 ``DUFU_TEST_FRESH_PROCESSES=1`` starts every process new (tests/launch.py).
 
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import os
+import selectors
 import signal
 import socket
 import subprocess
@@ -51,9 +52,11 @@ PRELOAD = ("dufu.cli.workers", "dufu.cli.train", "dufu.cli.eval", "dufu.engine.t
 # The modules run with ``-m`` that are forked (pytest, say, is not: it would find this server's imports made).
 WARM_MODULES = ("dufu",)
 
-# Variables that may differ between the server and a process forked from it: read by dufu at run time only,
-# and the name of the test pytest is running.
-RUN_TIME_PREFIXES = ("DUFU_", "PYTEST_CURRENT_TEST")
+# Variables that may differ between the server and a process forked from it: read by dufu at run time only;
+# inductor's and Triton's cache directories (read when a graph is compiled; dufu.parallel.compile sets the first in
+# the test process when a test compiles there, and the processes started after it inherit it); the name of the
+# test pytest is running.
+RUN_TIME_PREFIXES = ("DUFU_", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST")
 
 
 def eligible(cmd: list[str], env: dict, server_env: dict) -> bool:
@@ -93,8 +96,10 @@ class Server:
 
     def popen(self, cmd: list[str], env: dict, cwd) -> "WarmPopen":
         self._ready.wait()
+        if self._failure is None and self._proc.poll() is not None:
+            self._failure = f"the warm process server ended (exit {self._proc.returncode})"
         if self._failure:
-            raise RuntimeError(self._failure)
+            raise RuntimeError(f"{self._failure}; DUFU_TEST_FRESH_PROCESSES=1 starts every process new")
         return WarmPopen(self.address, cmd, env, cwd)
 
     def stop(self) -> None:
@@ -175,8 +180,6 @@ def _serve(address: str) -> None:
     signal.set_wakeup_fd(sig_w)
     signal.signal(signal.SIGCHLD, lambda *_: None)
     print("ready", flush=True)
-    import selectors
-
     with selectors.DefaultSelector() as selector:
         selector.register(listener, selectors.EVENT_READ)
         selector.register(sig_r, selectors.EVENT_READ)
@@ -189,9 +192,7 @@ def _serve(address: str) -> None:
                     _reap(sig_r, clients)
                 else:
                     conn, _ = listener.accept()
-                    pid = _fork(conn, listener, sig_r, sig_w)
-                    if pid is not None:
-                        clients[pid] = conn
+                    clients[_fork(conn)] = conn
 
 
 def _reap(sig_r: int, clients: dict) -> None:
@@ -215,7 +216,8 @@ def _reap(sig_r: int, clients: dict) -> None:
             conn.close()
 
 
-def _fork(conn: socket.socket, listener: socket.socket, sig_r: int, sig_w: int) -> Optional[int]:
+def _fork(conn: socket.socket) -> int:
+    """Fork the process ``conn``'s client asks for; its pid, sent to the client too."""
     head, fds, _, _ = socket.recv_fds(conn, 8, 3)
     size = int.from_bytes(head, "little")
     body = b""
