@@ -193,6 +193,8 @@ def pytest_terminal_summary(terminalreporter):
     tells when one happened. And how the session's processes started (tests/warm.py)."""
     terminalreporter.write_line(f"processes started: {launch.STARTS['forked']} forked from the warm server, "
                                 f"{launch.STARTS['new']} as new interpreters")
+    for why, count in sorted(launch.STARTED_NEW.items(), key=lambda item: -item[1]):
+        terminalreporter.write_line(f"  {count} new: {why}")
     if not launch.RETRIES:
         terminalreporter.write_line("no process was retried after a death by signal")
         return

@@ -217,6 +217,7 @@ def _child_env(extra: Optional[dict], fault: Optional[str]) -> dict:
 
 # How this session's processes started: forked from the warm server, or as new processes (conftest reports it).
 STARTS = {"forked": 0, "new": 0}
+STARTED_NEW: dict[str, int] = {}  # why a process started new while the warm server ran -> how many times
 
 _WARM: Optional[warm.Server] = None  # the session's warm process server (tests/warm.py), if started
 
@@ -238,9 +239,12 @@ def stop_warm_server() -> None:
 
 def _popen(cmd: list[str], env: dict, cwd, new_interpreter: bool = False):
     """``cmd`` started in a session of its own, its output piped: forked from the warm server when it can be."""
-    if _WARM is not None and not new_interpreter and warm.eligible(cmd, env, _WARM.env):
-        STARTS["forked"] += 1
-        return _WARM.popen(cmd, env, cwd)
+    if _WARM is not None:
+        why = "asked for" if new_interpreter else warm.why_new(cmd, env, _WARM.env)
+        if why is None:
+            STARTS["forked"] += 1
+            return _WARM.popen(cmd, env, cwd)
+        STARTED_NEW[why] = STARTED_NEW.get(why, 0) + 1
     STARTS["new"] += 1
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=cwd,
                             start_new_session=True)

@@ -133,6 +133,7 @@ def test_a_worker_server_started_inside_is_forked_and_its_workers_run(server, tm
     (["-c", "print(1)"], {}, False),
     (["-u", "-m", "dufu"], {}, False),  # interpreter options
     (["-m", "dufu", "train"], {"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}, True),  # read when a graph compiles
+    (["-m", "dufu", "train"], {"KMP_INIT_AT_FORK": "FALSE"}, True),  # Intel OpenMP's: never loaded there
     (["-m", "dufu", "train"], {"OMP_NUM_THREADS": "2"}, False),  # read when torch is imported
     (["-m", "dufu", "train"], {"PYTHONPATH": "/elsewhere"}, False),
 ])
@@ -140,3 +141,5 @@ def test_only_what_a_new_interpreter_would_run_identically_is_forked(cmd, env, e
     server_env = launch._child_env(None, None)
     assert warm.eligible([sys.executable, *cmd], {**server_env, **env}, server_env) is expected
     assert not warm.eligible(["bash", "-c", "true"], server_env, server_env)
+    if not expected:
+        assert warm.why_new([sys.executable, *cmd], {**server_env, **env}, server_env)  # says why

@@ -55,21 +55,29 @@ WARM_MODULES = ("dufu",)
 # Variables that may differ between the server and a process forked from it: read by dufu at run time only;
 # inductor's and Triton's cache directories (read when a graph is compiled; dufu.parallel.compile sets the first in
 # the test process when a test compiles there, and the processes started after it inherit it); the name of the
-# test pytest is running.
-RUN_TIME_PREFIXES = ("DUFU_", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST")
+# test pytest is running; Intel OpenMP's ``KMP_*``, read when that runtime loads, which the server never does
+# (:func:`_serve` checks: torch's wheel brings GNU OpenMP; scikit-learn sets two of them when the test process
+# imports it).
+RUN_TIME_PREFIXES = ("DUFU_", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST", "KMP_")
 
 
 def eligible(cmd: list[str], env: dict, server_env: dict) -> bool:
     """Whether ``cmd`` run with ``env`` may be forked from a server started with ``server_env``."""
+    return why_new(cmd, env, server_env) is None
+
+
+def why_new(cmd: list[str], env: dict, server_env: dict) -> Optional[str]:
+    """Why ``cmd`` run with ``env`` must start as a new process (None: it may be forked)."""
     if len(cmd) < 2 or cmd[0] != sys.executable:
-        return False
+        return "not Python"
     if cmd[1] == "-m":
         if len(cmd) < 3 or cmd[2] not in WARM_MODULES:
-            return False
+            return f"python -m {cmd[2] if len(cmd) > 2 else ''}".strip()
     elif cmd[1].startswith("-") or not cmd[1].endswith(".py"):
-        return False
-    names = set(env) | set(server_env)
-    return all(env.get(n) == server_env.get(n) for n in names if not n.startswith(RUN_TIME_PREFIXES))
+        return f"python {cmd[1]}"
+    differ = sorted(n for n in set(env) | set(server_env)
+                    if env.get(n) != server_env.get(n) and not n.startswith(RUN_TIME_PREFIXES))
+    return f"environment differs in {', '.join(differ)}" if differ else None
 
 
 # ------------------------------------------------------------------------------------------ client
@@ -170,6 +178,8 @@ def _serve(address: str) -> None:
         __import__(name)
     threads = os.listdir("/proc/self/task")
     assert len(threads) == 1, f"the warm process server must not fork with threads running: {threads}"
+    iomp = {line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines() if "libiomp" in line}
+    assert not iomp, f"Intel OpenMP is loaded, so KMP_* variables are not run-time ones (RUN_TIME_PREFIXES): {iomp}"
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen(64)
