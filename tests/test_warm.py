@@ -134,6 +134,7 @@ def test_a_worker_server_started_inside_is_forked_and_its_workers_run(server, tm
     (["-u", "-m", "dufu"], {}, False),  # interpreter options
     (["-m", "dufu", "train"], {"TORCHINDUCTOR_CACHE_DIR": "/elsewhere"}, True),  # read when a graph compiles
     (["-m", "dufu", "train"], {"KMP_INIT_AT_FORK": "FALSE"}, True),  # Intel OpenMP's: never loaded there
+    (["-m", "dufu", "train"], {"_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR": "1234"}, True),  # set before each use
     (["-m", "dufu", "train"], {"OMP_NUM_THREADS": "2"}, False),  # read when torch is imported
     (["-m", "dufu", "train"], {"PYTHONPATH": "/elsewhere"}, False),
 ])

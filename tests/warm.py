@@ -58,7 +58,10 @@ WARM_MODULES = ("dufu",)
 # test pytest is running; Intel OpenMP's ``KMP_*``, read when that runtime loads, which the server never does
 # (:func:`_serve` checks: torch's wheel brings GNU OpenMP; scikit-learn sets two of them when the test process
 # imports it).
-RUN_TIME_PREFIXES = ("DUFU_", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST", "KMP_")
+RUN_TIME_PREFIXES = ("DUFU_", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR", "PYTEST_CURRENT_TEST", "KMP_",
+                     # an address in the process that set it: inductor sets it again before each compiled library
+                     # it loads reads it (torch/_inductor/codecache.py), and the test process's compiles set it
+                     "_TORCHINDUCTOR_PYOBJECT_TENSOR_DATA_PTR")
 
 
 def eligible(cmd: list[str], env: dict, server_env: dict) -> bool:
