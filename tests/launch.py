@@ -422,7 +422,15 @@ def stop_all() -> None:
 
 def _kill_processes_with_argument(argument: str) -> None:
     """SIGKILL processes running with this exact command-line argument (a run's unique output_dir), e.g. a
-    worker orphaned when its torchrun agent was killed."""
+    worker orphaned when its torchrun agent was killed, and the processes of this session forked from the warm
+    server with it on the command line they were started with (/proc shows them as the server's)."""
+    with _LIVE_LOCK:
+        forked = [proc.pid for proc, _ in _LIVE if isinstance(proc, warm.WarmPopen) and argument in proc.args]
+    for pid in forked:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
