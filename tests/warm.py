@@ -32,6 +32,7 @@ time (:data:`RUN_TIME_PREFIXES`, :func:`eligible`). Anything else
 from __future__ import annotations
 
 import json
+import multiprocessing.util
 import os
 import selectors
 import signal
@@ -42,6 +43,8 @@ import threading
 import time
 from pathlib import Path
 from typing import Optional
+
+_ORIGINAL_SPAWNV = multiprocessing.util.spawnv_passfds  # before _become replaces it in a forked process
 
 # What the server imports before it forks anything: dufu's workers' own preload, torchrun's agent and dufu's
 # launcher of it, and the test helpers that the suite's worker scripts import.
@@ -279,8 +282,6 @@ def _become(request: dict, fds: list[int]) -> None:
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
     if "numpy" in sys.modules:  # a new interpreter seeds numpy's global generator from the OS
         sys.modules["numpy"].random.seed()
-    import multiprocessing.util
-
     multiprocessing.util.spawnv_passfds = _spawnv_passfds
 
 
@@ -382,10 +383,6 @@ def _spawnv_passfds(path, args, passfds):
     _finalize()
     os._exit(status)
 
-
-import multiprocessing.util as _mp_util  # noqa: E402
-
-_ORIGINAL_SPAWNV = _mp_util.spawnv_passfds
 
 if __name__ == "__main__":
     sys.path.insert(0, str(Path(__file__).resolve().parent))
