@@ -42,8 +42,9 @@ RUNS = {  # name: (config, overrides)
     # decoder layers are the FSDP units, the rest is the root unit
     "hf_auto": ("hf_auto_gpt_neox_debug", ("train.global_batch_size=8", "model.config.num_hidden_layers=8")),
 }
-# What the runs allocate is the same from run to run but for one block's gradient (200 KB, 1.4% of the
-# accumulating run's peak), alive at one rank's peak and not at the other's.
+# The measured peaks are exact and the same on both ranks and from run to run, on an idle or a loaded machine (the
+# worker counts frees on gloo's threads too: fsdp_peak_worker.count_every_thread); what this allows for is the
+# planner's own approximation.
 TOLERANCE = 0.04
 
 
@@ -75,11 +76,9 @@ def test_zero3_peak_of_a_deep_narrow_model_matches_fsdp2(name, measured, test_cp
     # the shards at rest: 4 B of parameter and 8 B of AdamW moments per parameter, over 2 ranks (FSDP2 pads)
     states = est.model_states["parameters"] + est.model_states["optimizer"]
     assert states == pytest.approx(max(r["states"] for r in ranks), rel=0.01)
-    if name == "lora":
-        # The LoRA run's peak is not the same from run to run: 4.36-4.67 MB seen for one config (the plan: 4.36),
-        # cause not found yet, so only its states at rest (above) are held to the plan here.
-        return
-    peak = max(r["peak"] for r in ranks)
+    # the ranks of a data-parallel run allocate alike: a difference would be the measurement's, not the run's
+    assert len({r["peak"] for r in ranks}) == 1, ranks
+    peak = ranks[0]["peak"]
     assert abs(est.memory_per_gpu_bytes - peak) <= TOLERANCE * peak, (
         f"{name}: predicted {est.memory_per_gpu_bytes:,} B at {est.peak_where}, measured {peak:,} B "
         f"({est.memory_per_gpu_bytes / peak:.3f}x); {est.memory}")
