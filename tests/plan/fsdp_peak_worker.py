@@ -71,6 +71,8 @@ def count_every_thread() -> None:
     thread's allocations, and each recorded event carries it. It stays set for the rest of the process: an
     allocation counted while it is set and freed after it is cleared would stay in the total."""
     lib = Path(torch.__file__).parent / "lib" / "libc10.so"
+    if not lib.is_file():
+        raise RuntimeError(f"{lib} is missing: this measurement needs torch's c10 library as Linux wheels ship it")
     ctypes.c_bool.in_dll(ctypes.CDLL(str(lib)), "FLAGS_caffe2_report_cpu_memory_usage").value = True
 
 
