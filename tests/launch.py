@@ -425,12 +425,7 @@ def _kill_processes_with_argument(argument: str) -> None:
     worker orphaned when its torchrun agent was killed, and the processes of this session forked from the warm
     server with it on the command line they were started with (/proc shows them as the server's)."""
     with _LIVE_LOCK:
-        forked = [proc.pid for proc, _ in _LIVE if isinstance(proc, warm.WarmPopen) and argument in proc.args]
-    for pid in forked:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+        pids = {proc.pid for proc, _ in _LIVE if isinstance(proc, warm.WarmPopen) and argument in proc.args}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -439,10 +434,12 @@ def _kill_processes_with_argument(argument: str) -> None:
         except OSError:
             continue
         if argument.encode() in args:
-            try:
-                os.kill(int(entry.name), signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            pids.add(int(entry.name))
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 if __name__ == "__main__":  # python tests/launch.py --nproc N SCRIPT ARGS (torchrun_command)
